@@ -1,0 +1,3 @@
+from fedpartial.cli import main
+
+main()

@@ -1,0 +1,164 @@
+"""FedAvg baselines: the supervised client rule for partial labels and size-weighted averaging.
+
+Three baselines share :class:`SupervisedClient`, differing only in ``loss_mode``:
+
+* ``missing-negative`` (job ``fedavg``): an unannotated entry counts as negative.
+  Multi-label: BCE over all C entries. Single-label: softmax CE over all C classes on the samples
+  whose class the site knows (an unlabelled sample cannot be given a single class, so it is skipped).
+* ``partial`` (job ``fedavg_partial_loss``): loss on annotated entries only. Multi-label: BCE where
+  ``label_mask`` is 1. Single-label: softmax restricted to the site's annotated classes.
+* ``full`` (job ``fedavg_full``): the site file is the complete-label reference copy; same loss as
+  ``missing-negative`` (all entries are annotated there).
+
+A site with no annotated sample (an unlabelled site of a semi-supervised split) returns
+``num_samples = 0`` and so takes no part in the average: FedAvg on the labelled sites only.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
+from fedpartial.data.transforms import flip_batch, make_view
+from fedpartial.data.types import SINGLE_LABEL
+from fedpartial.training.common import (batch_indices, images_to_tensor, masked_bce_with_logits, masked_cross_entropy,
+                                        seed_everything)
+
+LOSS_MODES = ("missing-negative", "partial", "full")
+
+
+def fedavg_weights(updates: List[SiteUpdate]) -> Dict[str, np.ndarray]:
+    """Average ``updates``' weights, each weighted by its ``num_samples``; sites with 0 samples
+    are skipped. Integer buffers (e.g. BatchNorm's ``num_batches_tracked``) keep their dtype.
+
+    Args:
+        updates: the round's accepted site updates.
+
+    Raises:
+        ValueError: when no update has a positive ``num_samples``.
+    """
+    used = [u for u in updates if u.num_samples > 0]
+    if not used:
+        raise ValueError("no site update with a positive sample count to average "
+                         f"(sites: {', '.join(u.site for u in updates) or 'none'})")
+    total = float(sum(u.num_samples for u in used))
+    out = {}
+    for key, first in used[0].weights.items():
+        acc = np.zeros(np.shape(first), dtype=np.float64)
+        for u in used:
+            acc += np.asarray(u.weights[key], dtype=np.float64) * (u.num_samples / total)
+        dtype = np.asarray(first).dtype
+        out[key] = np.rint(acc).astype(dtype) if np.issubdtype(dtype, np.integer) else acc.astype(dtype)
+    return out
+
+
+class FedAvgServer(ServerRule):
+    """Plain FedAvg: weights averaged by data size, no statistics."""
+
+    def aggregate(self, updates: List[SiteUpdate], ctx: ServerContext):
+        return fedavg_weights(updates), {}
+
+
+def labelled_rows(labels: np.ndarray, label_mask: np.ndarray, task: str) -> np.ndarray:
+    """Indices of samples that carry any usable supervision for a supervised baseline.
+
+    Single-label: samples with one annotated positive. Multi-label: samples with any annotated entry.
+    """
+    if task == SINGLE_LABEL:
+        return np.flatnonzero(((labels * label_mask) > 0.5).any(axis=1))
+    return np.flatnonzero(label_mask.any(axis=1))
+
+
+def supervised_loss(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, task: str,
+                    loss_mode: str) -> torch.Tensor:
+    """Loss of one batch for a FedAvg baseline (see module docstring).
+
+    Args:
+        logits: ``(N, C)``.
+        labels: ``(N, C)`` multi-hot.
+        label_mask: ``(N, C)`` 1 where annotated.
+        task: ``single-label`` or ``multi-label``.
+        loss_mode: one of ``missing-negative``, ``partial``, ``full``.
+    """
+    if task == SINGLE_LABEL:
+        target = labels.argmax(dim=1)
+        known = ((labels * label_mask) > 0.5).any(dim=1).float()
+        class_mask = label_mask if loss_mode == "partial" else None
+        return masked_cross_entropy(logits, target, class_mask=class_mask, sample_weight=known)
+    mask = label_mask if loss_mode == "partial" else torch.ones_like(labels)
+    return masked_bce_with_logits(logits, labels, mask)
+
+
+class SupervisedClient(ClientRule):
+    """Local supervised training for the FedAvg baselines.
+
+    Args:
+        loss_mode: ``missing-negative`` | ``partial`` | ``full``.
+        lr: Adam learning rate.
+        weight_decay: Adam weight decay.
+        betas: Adam betas.
+        batch_size: samples per step.
+        local_epochs: epochs over the site's labelled samples per round.
+        local_iterations: if > 0, a fixed number of steps per round instead of epochs.
+        augmentation: ``none`` | ``weak`` | ``strong`` view of the training images.
+    """
+
+    def __init__(self, loss_mode: str = "missing-negative", lr: float = 1e-4, weight_decay: float = 5e-4,
+                 betas=(0.9, 0.99), batch_size: int = 64, local_epochs: int = 1, local_iterations: int = 0,
+                 augmentation: str = "weak"):
+        if loss_mode not in LOSS_MODES:
+            raise ValueError(f"loss_mode '{loss_mode}' unknown; choose one of {LOSS_MODES}")
+        self.loss_mode, self.lr, self.weight_decay, self.betas = loss_mode, lr, weight_decay, tuple(betas)
+        self.batch_size, self.local_epochs, self.local_iterations = batch_size, local_epochs, local_iterations
+        self.augmentation = augmentation
+        self.view = None if augmentation == "weak" else make_view(augmentation)
+
+    def setup(self, ctx):
+        super().setup(ctx)
+        train = ctx.data.splits["train"]
+        self.task = ctx.data.task
+        self.rows = labelled_rows(train.labels, train.label_mask, self.task)
+        norm = ctx.normalisation
+        self.images = images_to_tensor(train.images[self.rows], norm["mean"], norm["std"])
+        self.labels = torch.as_tensor(train.labels[self.rows], dtype=torch.float32)
+        self.label_mask = torch.as_tensor(train.label_mask[self.rows], dtype=torch.float32)
+        if len(self.rows) == 0:
+            ctx.log(f"site '{ctx.site}' has no annotated sample: it trains nothing and takes no part in FedAvg")
+
+    def _augment(self, x: torch.Tensor) -> torch.Tensor:
+        if self.augmentation == "weak":
+            return flip_batch(x)
+        return x if self.view is None else self.view(x)
+
+    def train_round(self, model, inp: RoundInput) -> RoundResult:
+        n = len(self.rows)
+        if n == 0:
+            return RoundResult(num_samples=0, metrics={"train_loss": 0.0})
+        seed_everything(self.ctx.seed * 1000 + inp.round)
+        rng = np.random.default_rng(self.ctx.seed * 1000 + inp.round)
+        device = self.ctx.device
+        optimizer = torch.optim.Adam(model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+        model.train()
+        losses, steps = [], 0
+        max_steps = self.local_iterations if self.local_iterations > 0 else None
+        epochs = self.local_epochs if max_steps is None else 10**9
+        for _ in range(epochs):
+            for idx in batch_indices(n, self.batch_size, rng, drop_last=True):
+                if self.ctx.abort():
+                    return RoundResult(num_samples=n, metrics={"train_loss": float(np.mean(losses or [0.0]))})
+                x = self._augment(self.images[idx]).to(device, non_blocking=True)
+                _, logits = model(x)
+                loss = supervised_loss(logits, self.labels[idx].to(device), self.label_mask[idx].to(device),
+                                       self.task, self.loss_mode)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                losses.append(float(loss.detach()))
+                steps += 1
+                if max_steps is not None and steps >= max_steps:
+                    break
+            if max_steps is not None and steps >= max_steps:
+                break
+        return RoundResult(num_samples=n, metrics={"train_loss": float(np.mean(losses)), "train_steps": steps})

@@ -1,0 +1,445 @@
+"""FedIA (Xiang et al., MICCAI 2024): federated lesion segmentation when sites annotate only
+part of their lesions (whole connected components missing, a different fraction per site).
+
+Client (:class:`FedIAClient`), round ``r`` (0-based; the paper's round ``t = r + 1``):
+
+1. warm-up, ``r < warmup_rounds`` (T = 10 MS / 40 lung): plain Dice-loss training; the site
+   records its mean training loss ℓ_k and its IoU on its own train masks every round;
+2. first round after warm-up (``r == warmup_rounds``): with the received warm-up model θ_T the
+   site estimates its annotation completeness (eq. 3)
+   ``â_k = Σ_i lesions(annotated mask_i) / Σ_i lesions(predicted mask_i)``, lesions = connected
+   components counted **per 2D image** (``scipy.ndimage.label``, 8-connectivity by default; the
+   reference code labels a whole shuffled batch as one 3D volume, which merges lesions across
+   images), and fits ``IoU_k(t) ≈ l_k·t + b_k`` over the warm-up rounds (eq. 6, ``numpy.polyfit``);
+3. after warm-up, when ``fitted IoU(t) - IoU(t) > λ`` (eq. 7, λ = 0.03) the site corrects its
+   masks at the start of the next round with the received global model: pixels labelled 0 whose
+   foreground probability exceeds 0.8 become 1 (never 1 -> 0). Once, permanently, by default
+   (the reference code); ``correct_repeatedly=True`` re-checks the trigger after a correction.
+   Corrected masks live in ``ctx.state_dir``; the site file is never modified.
+
+Stats sent every round: ``mean_loss``, ``iou``, ``completeness`` (â_k; 1.0 until estimated),
+``completeness_ready`` (0/1), ``corrected`` (0/1).
+
+Server (:class:`FedIAServer`): data-size FedAvg during warm-up; afterwards completeness-aware
+weights ``w_k = softmax_k(â_k / ℓ_k)`` (eq. 4), back to FedAvg once every site has corrected its
+masks (the "last stage" of the paper's Fig. 2 and its reference code; switch
+``fedavg_after_all_corrected``).
+
+Completeness can exceed 1 (a model that under-segments or merges touching lesions predicts fewer
+lesions than are annotated). The paper does not clip; neither do we by default
+(``completeness_cap=None``). A site with no annotated lesion would give â_k = 0; it is raised to
+``completeness_floor`` (1e-3) so that the statistic stays in (0, inf).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+from scipy import ndimage
+
+from fedpartial.algorithms.base import ClientContext, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
+from fedpartial.algorithms.fedavg import fedavg_weights
+from fedpartial.algorithms.segmentation import SegmentationSupervisedClient, binary_masks
+from fedpartial.data.types import DataError
+
+STATE_FILE = "fedia_state.json"
+MASKS_FILE = "fedia_corrected_masks.npz"
+STAT_KEYS = ("mean_loss", "iou", "completeness", "completeness_ready", "corrected")
+
+
+# ----------------------------------------------------------------------------- pure helpers
+def connectivity_structure(connectivity: int) -> np.ndarray:
+    """3x3 structuring element for ``scipy.ndimage.label``: 8 (diagonal neighbours join) or 4.
+
+    Args:
+        connectivity: 4 or 8.
+    """
+    if connectivity == 8:
+        return np.ones((3, 3), dtype=bool)
+    if connectivity == 4:
+        return ndimage.generate_binary_structure(2, 1)
+    raise ValueError(f"connectivity must be 4 or 8, got {connectivity}")
+
+
+def count_lesions(masks: np.ndarray, connectivity: int = 8) -> np.ndarray:
+    """Number of lesions (connected foreground components) in each 2D image.
+
+    Args:
+        masks: ``(H, W)`` or ``(N, H, W)``; any value > 0 is foreground.
+        connectivity: 8 (default) or 4.
+
+    Returns:
+        int64 ``(N,)`` counts (``(1,)`` for one image). Images are labelled one by one, so a
+        lesion never continues into the next image of the stack.
+    """
+    masks = np.asarray(masks)
+    if masks.ndim == 2:
+        masks = masks[None]
+    if masks.ndim != 3:
+        raise ValueError(f"count_lesions expects (H, W) or (N, H, W) masks, got shape {masks.shape}")
+    structure = connectivity_structure(connectivity)
+    return np.array([ndimage.label(m > 0, structure=structure)[1] for m in masks], dtype=np.int64)
+
+
+def estimate_completeness(annotated: np.ndarray, predicted: np.ndarray, connectivity: int = 8
+                          ) -> Tuple[Optional[float], int, int]:
+    """FedIA eq. 3: â = Σ_i lesions(annotated_i) / Σ_i lesions(predicted_i), per-image counts.
+
+    Args:
+        annotated: ``(N, H, W)`` the site's (incomplete) masks.
+        predicted: ``(N, H, W)`` binary predictions of the warm-up model.
+        connectivity: 8 or 4.
+
+    Returns:
+        ``(completeness, annotated_lesions, predicted_lesions)``; completeness is None when the
+        model predicts no lesion at all (no evidence either way).
+    """
+    if np.shape(annotated) != np.shape(predicted):
+        raise ValueError(f"annotated shape {np.shape(annotated)} != predicted shape {np.shape(predicted)}")
+    n_annotated = int(count_lesions(annotated, connectivity).sum())
+    n_predicted = int(count_lesions(predicted, connectivity).sum())
+    if n_predicted == 0:
+        return None, n_annotated, n_predicted
+    return n_annotated / n_predicted, n_annotated, n_predicted
+
+
+def fit_iou_trend(rounds, ious) -> Tuple[float, float]:
+    """Least-squares line ``IoU(t) ≈ slope * t + intercept`` (FedIA eq. 6).
+
+    Args:
+        rounds: round numbers t (the paper counts from 1).
+        ious: IoU at those rounds.
+
+    Raises:
+        ValueError: fewer than 2 points, or lengths differ.
+    """
+    t, y = np.asarray(rounds, dtype=np.float64), np.asarray(ious, dtype=np.float64)
+    if t.shape != y.shape or t.ndim != 1:
+        raise ValueError(f"fit_iou_trend: rounds {t.shape} and ious {y.shape} must be 1-D of equal length")
+    if len(np.unique(t)) < 2:
+        raise ValueError(f"fit_iou_trend needs IoU at >= 2 distinct rounds, got {len(np.unique(t))}")
+    slope, intercept = np.polyfit(t, y, 1)
+    return float(slope), float(intercept)
+
+
+def correction_triggered(slope: float, intercept: float, t: float, iou: float, margin: float = 0.03) -> bool:
+    """FedIA eq. 7: correct when the fitted IoU at round ``t`` exceeds the actual IoU by more than ``margin``."""
+    return (slope * t + intercept) - iou > margin
+
+
+def correct_masks(masks: np.ndarray, foreground_prob: np.ndarray, threshold: float = 0.8) -> Tuple[np.ndarray, int]:
+    """Turn background pixels the model is confident about into lesion: 0 -> 1 where
+    ``prob > threshold``; a pixel labelled 1 always stays 1 (missing lesions are the only noise).
+
+    Args:
+        masks: uint8 0/1 ``(N, H, W)``.
+        foreground_prob: ``(N, H, W)`` sigmoid probabilities.
+        threshold: confidence above which a background pixel is flipped (paper: 0.8).
+
+    Returns:
+        ``(new_masks, pixels_changed)``; ``masks`` itself is not modified.
+    """
+    masks = np.asarray(masks)
+    if masks.shape != np.shape(foreground_prob):
+        raise ValueError(f"masks shape {masks.shape} != probability shape {np.shape(foreground_prob)}")
+    flip = (masks == 0) & (np.asarray(foreground_prob) > threshold)
+    new = masks.astype(np.uint8, copy=True)
+    new[flip] = 1
+    return new, int(flip.sum())
+
+
+def completeness_aware_weights(completeness, losses, loss_floor: float = 1e-6) -> np.ndarray:
+    """FedIA eq. 4: ``w_k = softmax_k(â_k / ℓ_k)``.
+
+    Args:
+        completeness: â_k per site (> 0).
+        losses: ℓ_k, each site's mean training loss this round (>= 0; raised to ``loss_floor``).
+        loss_floor: smallest loss used, so a perfect fit does not divide by 0.
+
+    Example: â = (0.5, 1.0), ℓ = (0.5, 0.5) -> softmax(1, 2) = (0.2689, 0.7311).
+    """
+    a = np.asarray(completeness, dtype=np.float64)
+    loss = np.maximum(np.asarray(losses, dtype=np.float64), loss_floor)
+    if a.shape != loss.shape or a.ndim != 1 or a.size == 0:
+        raise ValueError(f"completeness {a.shape} and losses {loss.shape} must be 1-D of equal, non-zero length")
+    z = a / loss
+    z = np.exp(z - z.max())  # shift for stability: softmax is unchanged
+    return z / z.sum()
+
+
+def _atomic_write(path: str, write) -> None:
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+# ----------------------------------------------------------------------------- client
+class FedIAClient(SegmentationSupervisedClient):
+    """FedIA local rule (see the module docstring).
+
+    Args:
+        warmup_rounds: T, rounds of plain training before completeness estimation (paper: 10 MS, 40 lung).
+        iou_margin: λ of eq. 7 (paper: 0.03).
+        correction_threshold: foreground probability above which a 0 pixel becomes 1 (paper: 0.8).
+        use_correction: False = ablation without client-wise adaptive correction.
+        correct_repeatedly: False = correct once, permanently (reference code); True = keep checking
+            the trigger after a correction and correct again.
+        connectivity: 8 or 4, neighbourhood for counting lesions.
+        completeness_floor: lower bound of â_k (keeps it > 0 for a site without annotated lesions).
+        completeness_cap: optional upper bound of â_k (None = no clipping, as in the paper).
+        lr, betas, weight_decay, batch_size, local_epochs, prob_threshold, dice_batch,
+        predict_batch_size: as in :class:`SegmentationSupervisedClient` (paper: Adam 1e-4,
+            (0.9, 0.99), batch 4, one epoch).
+    """
+
+    task_kind = "segmentation"
+
+    def __init__(self, warmup_rounds: int = 10, iou_margin: float = 0.03, correction_threshold: float = 0.8,
+                 use_correction: bool = True, correct_repeatedly: bool = False, connectivity: int = 8,
+                 completeness_floor: float = 1e-3, completeness_cap: Optional[float] = None,
+                 lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, batch_size: int = 4,
+                 local_epochs: int = 1, prob_threshold: float = 0.5, dice_batch: bool = False,
+                 predict_batch_size: int = 16):
+        super().__init__(lr=lr, betas=betas, weight_decay=weight_decay, batch_size=batch_size,
+                         local_epochs=local_epochs, prob_threshold=prob_threshold, dice_batch=dice_batch,
+                         predict_batch_size=predict_batch_size)
+        if int(warmup_rounds) < 2:
+            raise ValueError(f"warmup_rounds must be >= 2 (the IoU trend needs two points), got {warmup_rounds}")
+        if not 0.0 < float(correction_threshold) < 1.0:
+            raise ValueError(f"correction_threshold must be in (0, 1), got {correction_threshold}")
+        connectivity_structure(int(connectivity))  # validates 4 / 8
+        if not float(completeness_floor) > 0:
+            raise ValueError(f"completeness_floor must be > 0, got {completeness_floor}")
+        if completeness_cap is not None and float(completeness_cap) < float(completeness_floor):
+            raise ValueError(f"completeness_cap {completeness_cap} is below completeness_floor {completeness_floor}")
+        self.warmup_rounds, self.iou_margin = int(warmup_rounds), float(iou_margin)
+        self.correction_threshold = float(correction_threshold)
+        self.use_correction, self.correct_repeatedly = bool(use_correction), bool(correct_repeatedly)
+        self.connectivity = int(connectivity)
+        self.completeness_floor = float(completeness_floor)
+        self.completeness_cap = None if completeness_cap is None else float(completeness_cap)
+
+    # -- state --------------------------------------------------------------------------
+    @staticmethod
+    def fresh_state() -> Dict:
+        return {"iou_history": {}, "loss_history": {}, "completeness": None, "annotated_lesions": None,
+                "predicted_lesions": None, "trend": None, "correction_pending": False, "corrected": False,
+                "correction_rounds": [], "corrected_pixels_total": 0, "mask_shape": None}
+
+    def setup(self, ctx: ClientContext) -> None:
+        super().setup(ctx)
+        self.original_masks = self.masks  # what the site file holds; never written back
+        self.reference_masks = self._reference_masks(ctx)
+        self._true_completeness = None
+        self.state_path = os.path.join(ctx.state_dir, STATE_FILE)
+        self.masks_path = os.path.join(ctx.state_dir, MASKS_FILE)
+        self.state = self.fresh_state()
+        if os.path.exists(self.state_path):
+            with open(self.state_path, "r", encoding="utf-8") as handle:
+                self.state.update(json.load(handle))
+            shape = self.state.get("mask_shape")
+            if shape is not None and tuple(shape) != self.original_masks.shape:
+                raise DataError(f"site '{ctx.site}': FedIA state {self.state_path} is for train masks of shape "
+                                f"{tuple(shape)}, the site file has {self.original_masks.shape}; remove the stale "
+                                f"state folder or point the job at the right data")
+            if self.state["corrected"]:
+                if not os.path.exists(self.masks_path):
+                    raise DataError(f"site '{ctx.site}': FedIA state says the masks were corrected but "
+                                    f"{self.masks_path} is missing")
+                with np.load(self.masks_path) as saved:
+                    self.masks = saved["masks"].astype(np.uint8)
+            ctx.log(f"site '{ctx.site}': FedIA state restored from {ctx.state_dir} "
+                    f"({len(self.state['iou_history'])} rounds of IoU, completeness={self.state['completeness']}, "
+                    f"corrected={self.state['corrected']})")
+        self.state["mask_shape"] = list(self.original_masks.shape)
+
+    @staticmethod
+    def _reference_masks(ctx: ClientContext) -> Optional[np.ndarray]:
+        """Complete masks for the correction diagnostics only (None unless the job enables them)."""
+        if ctx.reference is None or "train" not in ctx.reference.splits:
+            return None
+        ref = np.asarray(ctx.reference.splits["train"].labels) > 0
+        if ref.shape != ctx.data.splits["train"].labels.shape:
+            raise DataError(f"site '{ctx.site}': reference train masks have shape {ref.shape}, the site file "
+                            f"has {ctx.data.splits['train'].labels.shape}")
+        return ref
+
+    def save_state(self) -> None:
+        """Write the state (and the corrected masks, when any) atomically under ``ctx.state_dir``."""
+        if self.state["corrected"]:
+            _atomic_write(self.masks_path, lambda h: np.savez_compressed(h, masks=self.masks))
+        text = json.dumps(self.state, indent=1, sort_keys=True).encode("utf-8")
+        _atomic_write(self.state_path, lambda h: h.write(text))
+
+    # -- FedIA steps ------------------------------------------------------------------------
+    def estimate(self, fg_prob: np.ndarray) -> None:
+        """Completeness (eq. 3) from the warm-up model's prediction, and the IoU trend (eq. 6)."""
+        predicted = fg_prob > self.prob_threshold
+        a_k, n_annotated, n_predicted = estimate_completeness(self.original_masks, predicted, self.connectivity)
+        if a_k is None:
+            self.ctx.log(f"site '{self.ctx.site}': the warm-up model predicts no lesion; completeness set to 1.0")
+            a_k = 1.0
+        a_k = max(a_k, self.completeness_floor)
+        if self.completeness_cap is not None:
+            a_k = min(a_k, self.completeness_cap)
+        self.state.update(completeness=float(a_k), annotated_lesions=n_annotated, predicted_lesions=n_predicted)
+        warm = sorted((int(r), v) for r, v in self.state["iou_history"].items() if int(r) < self.warmup_rounds)
+        if len(warm) >= 2:
+            self.state["trend"] = list(fit_iou_trend([r + 1 for r, _ in warm], [v for _, v in warm]))
+        else:
+            self.ctx.log(f"site '{self.ctx.site}': only {len(warm)} warm-up IoU value(s); no trend, no correction")
+        self.ctx.log(f"site '{self.ctx.site}': completeness {a_k:.4f} ({n_annotated} annotated / {n_predicted} "
+                     f"predicted lesions), IoU trend {self.state['trend']}")
+
+    def correct(self, fg_prob: np.ndarray, round_index: int) -> int:
+        """Apply the correction rule to the current masks; returns the pixels changed."""
+        self.masks, changed = correct_masks(self.masks, fg_prob, self.correction_threshold)
+        self.state["corrected"], self.state["correction_pending"] = True, False
+        self.state["correction_rounds"].append(int(round_index))
+        self.state["corrected_pixels_total"] = int((self.masks > self.original_masks).sum())
+        self.ctx.log(f"site '{self.ctx.site}': corrected {changed} pixels at round {round_index}")
+        return changed
+
+    def diagnostics(self) -> Dict[str, float]:
+        """Correction quality against the hidden complete masks (only with ``ctx.reference``)."""
+        out: Dict[str, float] = {}
+        if self.reference_masks is None:
+            return out
+        ref, orig = self.reference_masks, self.original_masks > 0
+        if self._true_completeness is None:  # fixed for the run: count once
+            self._true_completeness = float(count_lesions(orig, self.connectivity).sum()
+                                            / max(int(count_lesions(ref, self.connectivity).sum()), 1))
+        out["true_completeness"] = self._true_completeness
+        added = (self.masks > 0) & ~orig
+        missing = ref & ~orig
+        if added.any():
+            out["corrected_precision"] = float((added & ref).sum() / added.sum())
+        if missing.any():
+            out["corrected_recall_missing"] = float((added & ref).sum() / missing.sum())
+        return out
+
+    def train_round(self, model, inp: RoundInput) -> RoundResult:
+        r, state = int(inp.round), self.state
+        n = len(self.masks)
+        if n == 0:
+            self.ctx.log(f"site '{self.ctx.site}' has no training image: it takes no part in the average")
+            return RoundResult(num_samples=0, stats={"mean_loss": 1.0, "iou": 0.0, "completeness": 1.0,
+                                                     "completeness_ready": 0, "corrected": 0})
+        fg_prob = None  # the received global model's prediction, computed at most once
+        if r >= self.warmup_rounds and state["completeness"] is None:
+            model.to(self.ctx.device)
+            fg_prob = self.predict(model)
+            self.estimate(fg_prob)
+        changed = 0
+        if self.use_correction and state["correction_pending"]:
+            model.to(self.ctx.device)
+            fg_prob = self.predict(model) if fg_prob is None else fg_prob
+            changed = self.correct(fg_prob, r)
+        mean_loss, iou, steps = self.train_on(model, self.masks, r)
+        state["iou_history"][str(r)] = iou
+        state["loss_history"][str(r)] = mean_loss
+        metrics = {"train_loss": mean_loss, "train_iou": iou, "train_steps": steps, "corrected_pixels": changed}
+        triggered = False
+        if (self.use_correction and r >= self.warmup_rounds and state["trend"] is not None
+                and (not state["corrected"] or self.correct_repeatedly)):
+            slope, intercept = state["trend"]
+            metrics["iou_trend"] = slope * (r + 1) + intercept
+            triggered = correction_triggered(slope, intercept, r + 1, iou, self.iou_margin)
+            if triggered:
+                state["correction_pending"] = True
+                self.ctx.log(f"site '{self.ctx.site}': IoU {iou:.4f} fell more than {self.iou_margin} below its "
+                             f"trend {metrics['iou_trend']:.4f} at round {r}; correcting next round")
+        metrics.update(correction_triggered=int(triggered), corrected=int(state["corrected"]),
+                       corrected_pixels_total=state["corrected_pixels_total"])
+        ready = state["completeness"] is not None
+        if ready:
+            metrics["completeness"] = state["completeness"]
+        metrics.update(self.diagnostics())
+        self.save_state()
+        stats = {"mean_loss": float(mean_loss), "iou": float(iou),
+                 "completeness": float(state["completeness"]) if ready else 1.0,
+                 "completeness_ready": int(ready), "corrected": int(state["corrected"])}
+        return RoundResult(num_samples=n, stats=stats, metrics=metrics)
+
+
+# ----------------------------------------------------------------------------- server
+class FedIAServer(ServerRule):
+    """FedIA aggregation (eq. 4).
+
+    Args:
+        warmup_rounds: T; rounds ``< T`` are plain size-weighted FedAvg.
+        use_completeness_weighting: False = ablation without completeness-aware aggregation
+            (size-weighted FedAvg throughout).
+        fedavg_after_all_corrected: True = return to size-weighted FedAvg once every site reports
+            corrected masks (paper Fig. 2 "last stage"; reference code).
+        loss_floor: smallest ℓ_k used in â_k / ℓ_k.
+    """
+
+    def __init__(self, warmup_rounds: int = 10, use_completeness_weighting: bool = True,
+                 fedavg_after_all_corrected: bool = True, loss_floor: float = 1e-6):
+        if int(warmup_rounds) < 0:
+            raise ValueError(f"warmup_rounds must be >= 0, got {warmup_rounds}")
+        self.warmup_rounds = int(warmup_rounds)
+        self.use_completeness_weighting = bool(use_completeness_weighting)
+        self.fedavg_after_all_corrected = bool(fedavg_after_all_corrected)
+        self.loss_floor = float(loss_floor)
+
+    def check_stats(self, update: SiteUpdate, ctx: ServerContext) -> None:
+        stats = update.stats
+        for key in STAT_KEYS:
+            if key not in stats:
+                raise ValueError(f"site '{update.site}': FedIA stat '{key}' is missing")
+            value = np.asarray(stats[key], dtype=np.float64)
+            if value.size != 1:
+                raise ValueError(f"site '{update.site}': FedIA stat '{key}' must be one number, got shape {value.shape}")
+            if not np.isfinite(value).all():
+                raise ValueError(f"site '{update.site}': FedIA stat '{key}' is not finite ({float(value)})")
+        if float(stats["mean_loss"]) < 0:
+            raise ValueError(f"site '{update.site}': FedIA stat 'mean_loss' is negative ({stats['mean_loss']})")
+        if not 0.0 <= float(stats["iou"]) <= 1.0:
+            raise ValueError(f"site '{update.site}': FedIA stat 'iou' must be in [0, 1], got {stats['iou']}")
+        if not float(stats["completeness"]) > 0:
+            raise ValueError(f"site '{update.site}': FedIA stat 'completeness' must be in (0, inf), "
+                             f"got {stats['completeness']}")
+        for key in ("completeness_ready", "corrected"):
+            if float(stats[key]) not in (0.0, 1.0):
+                raise ValueError(f"site '{update.site}': FedIA stat '{key}' must be 0 or 1, got {stats[key]}")
+
+    def site_weights(self, updates: List[SiteUpdate], ctx: ServerContext) -> Optional[np.ndarray]:
+        """Completeness-aware weights of the updates with samples, or None for size-weighted FedAvg."""
+        used = [u for u in updates if u.num_samples > 0]
+        if not self.use_completeness_weighting or ctx.round < self.warmup_rounds or not used:
+            return None
+        if not all(float(u.stats.get("completeness_ready", 0)) == 1.0 for u in used):
+            waiting = [u.site for u in used if float(u.stats.get("completeness_ready", 0)) != 1.0]
+            ctx.log(f"FedIA round {ctx.round}: completeness not yet estimated at {waiting}; size-weighted FedAvg")
+            return None
+        if self.fedavg_after_all_corrected and all(float(u.stats.get("corrected", 0)) == 1.0 for u in used):
+            return None
+        return completeness_aware_weights([float(u.stats["completeness"]) for u in used],
+                                          [float(u.stats["mean_loss"]) for u in used], self.loss_floor)
+
+    def aggregate(self, updates: List[SiteUpdate], ctx: ServerContext):
+        weights = self.site_weights(updates, ctx)
+        if weights is None:
+            return fedavg_weights(updates), {"completeness_aware": 0}
+        used = [u for u in updates if u.num_samples > 0]
+        ctx.log(f"FedIA round {ctx.round}: completeness-aware weights "
+                + ", ".join(f"{u.site}={w:.4f}" for u, w in zip(used, weights)))
+        # fedavg_weights averages by num_samples / total: give it the softmax weights instead.
+        reweighted = [dataclasses.replace(u, num_samples=float(w)) for u, w in zip(used, weights) if w > 0]
+        if not reweighted:  # every weight underflowed: cannot happen after the max-shift, but never NaN
+            return fedavg_weights(updates), {"completeness_aware": 0}
+        return fedavg_weights(reweighted), {"completeness_aware": 1}

@@ -1,0 +1,612 @@
+"""FedMLP (Sun, Wu et al., MICCAI 2024): federated multi-label learning where each site annotates
+only some classes.
+
+Client (:class:`FedMLPClient`), two stages:
+
+* **Stage 1, warm-up** (rounds ``0 .. warmup_rounds-1``; paper t1 = 50 of 500): the
+  Weighted-Partial-Class loss (paper Eq. 3-4) on two augmented views: BCE over the annotated
+  entries only, on logit-adjusted predictions (multi-label logit adjustment, Eq. 3).
+* From the end of warm-up on (round ``warmup_rounds-1`` and every round after) the site sends,
+  after its local training, per annotated class c: the prototypes P0_c / P1_c (mean pooled
+  feature of its annotated negatives / positives, Eq. 5) and the learning degree d_c (fraction
+  of local samples whose probability for c is < L or > R, Eq. 10).
+* **Stage 2** (round ``>= warmup_rounds``): missing label detection (MLD). For every still
+  untagged entry of a missing class c, Z = cos(f, P0_c) - cos(f, P1_c) (Eq. 7) with the *global*
+  prototypes and the received global model's features. Of the untagged entries with Z >= 0 the
+  top tau0 fraction (largest Z) is tagged negative, of those with Z < 0 the top tau1 fraction
+  (smallest Z) positive (Eq. 8-9). Tags are permanent (a file in ``ctx.state_dir``). Training
+  then uses WPC on annotated + tagged entries plus consistency regularisation (CR): MSE between
+  the student's and the received global model's probabilities on the still-untagged missing
+  entries.
+
+"Top tau fraction" -- fraction of what: Eq. 8 ranks the set {Z >= 0} (Eq. 9 the set {Z < 0}) of
+the *residual* samples of class c ("in later rounds Z only includes residual samples"), and the
+reference code takes ``int(tau * len(residual with Z >= 0))`` resp. ``int(tau * len(residual
+with Z < 0))``. So the count is ``floor(tau * number of still-untagged entries of class c on that
+side of 0)``, recomputed every round. With the paper's T0 = 0.5 %, a site needs >= 200 residual
+samples on one side before it tags anything: small CPU-scale jobs set larger T0/T1 in the config.
+
+Server (:class:`FedMLPServer`): FedAvg of the weights; per class, size-weighted mean of the sites'
+prototypes over the sites that annotate it (Eq. 6, size-weighted as in the reference code);
+global learning degree d_c^G = size-weighted mean over annotating sites (Eq. 10); thresholds
+tau0 = d_c^G * T0, tau1 = d_c^G * T1.
+
+Departures from the reference code (which does not run as released), following the paper:
+the logit adjustment, the self-adaptive threshold and the CR term are built (the code comments
+them out), each switchable (``use_wpc``, ``use_adaptive_threshold``, ``use_cr``; plus
+``use_mld``) for the paper's Table 3 ablation. The reference computes d_c over the site's
+*missing* classes and averages over sites missing c; we follow Eq. 10 and Algorithm 1 line 42
+(d_c for c in AC_k, averaged over S_c). Prototypes and Z use un-augmented images in eval mode
+(the reference uses one augmented view), so that they are repeatable.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
+from fedpartial.algorithms.fedavg import fedavg_weights
+from fedpartial.data.transforms import flip_batch, make_view
+from fedpartial.data.types import MULTI_LABEL, DataError
+from fedpartial.training.common import (batch_indices, images_to_tensor, masked_bce_with_logits, predict,
+                                        seed_everything)
+
+#: keys of the per-site statistics (sent from the end of warm-up on)
+STAT_KEYS = ("prototypes_neg", "prototypes_pos", "prototype_counts_neg", "prototype_counts_pos", "learning_degree",
+             "annotated")
+TAGS_FILE = "fedmlp_tags.npz"
+UNTAGGED = -1
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure helpers (torch / numpy, no FLARE)
+# ----------------------------------------------------------------------------------------------
+
+def positive_rates(targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-class positive rate pi_c,1 among the entries where ``mask`` is 1 (0.5 = no
+    adjustment for a class without any such entry).
+
+    Args:
+        targets: ``(N, C)`` 0/1.
+        mask: ``(N, C)`` 0/1, the entries the loss uses (annotated + tagged).
+    """
+    mask = mask.float()
+    count = mask.sum(0)
+    pos = (targets.float() * mask).sum(0)
+    return torch.where(count > 0, pos / count.clamp_min(1.0), torch.full_like(count, 0.5))
+
+
+def logit_adjustment(pi_pos: torch.Tensor, tau: float = 1.0, eps: float = 1e-3) -> torch.Tensor:
+    """Additive logit offset of the multi-label logit adjustment (paper Eq. 3).
+
+    Eq. 3, p' = p*pi1 / (p*pi1 + (1-p)*pi0) with p = sigmoid(z), equals sigmoid(z + log(pi1/pi0));
+    we use the logit form (numerically stable) and, as Eq. 2, a temperature ``tau`` (1 = Eq. 3).
+
+    Args:
+        pi_pos: ``(C,)`` positive rates pi_c,1 (pi_c,0 = 1 - pi_c,1).
+        tau: strength of the adjustment (paper: 1).
+        eps: rates are clipped to ``[eps, 1-eps]`` so a class with no local positive stays finite.
+    """
+    pi = pi_pos.clamp(eps, 1.0 - eps)
+    return tau * (torch.log(pi) - torch.log1p(-pi))
+
+
+def wpc_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, offset: Optional[torch.Tensor] = None
+             ) -> torch.Tensor:
+    """Weighted-Partial-Class loss (paper Eq. 4): BCE over the entries where ``mask`` is 1 only
+    (missing classes contribute nothing), on logits shifted by the logit-adjustment ``offset``.
+    Mean over the used entries (the paper's 1/C is a constant factor).
+
+    Args:
+        logits: ``(N, C)`` raw logits.
+        targets: ``(N, C)`` 0/1 (annotated labels, tags elsewhere).
+        mask: ``(N, C)`` 1 = entry used (annotated or tagged).
+        offset: ``(C,)`` from :func:`logit_adjustment`; None = plain masked BCE.
+    """
+    if offset is not None:
+        logits = logits + offset.to(logits.device, logits.dtype)
+    return masked_bce_with_logits(logits, targets, mask)
+
+
+def consistency_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Consistency regularisation: mean squared difference of the sigmoid probabilities of
+    student and global model over the entries where ``mask`` is 1 (0 when none).
+
+    Args:
+        student_logits: ``(N, C)``.
+        teacher_logits: ``(N, C)`` of the received global model (no gradient).
+        mask: ``(N, C)`` 1 = still-untagged missing entry.
+    """
+    diff = (torch.sigmoid(student_logits) - torch.sigmoid(teacher_logits.detach())) ** 2
+    mask = mask.to(diff.dtype)
+    return (diff * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def class_prototypes(features: np.ndarray, labels: np.ndarray, label_mask: np.ndarray
+                     ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Local class prototypes (paper Eq. 5) over annotated entries.
+
+    Args:
+        features: ``(N, D)`` pooled features.
+        labels: ``(N, C)`` 0/1.
+        label_mask: ``(N, C)`` 1 = annotated.
+
+    Returns:
+        ``(proto_neg (C,D), proto_pos (C,D), count_neg (C,), count_pos (C,))``; a prototype
+        whose count is 0 is a zero row.
+    """
+    feats = np.asarray(features, dtype=np.float64)
+    known = np.asarray(label_mask).astype(bool)
+    pos = known & (np.asarray(labels) > 0.5)
+    neg = known & ~(np.asarray(labels) > 0.5)
+    count_pos = pos.sum(0).astype(np.float64)
+    count_neg = neg.sum(0).astype(np.float64)
+    proto_pos = (pos.T.astype(np.float64) @ feats) / np.maximum(count_pos, 1.0)[:, None]
+    proto_neg = (neg.T.astype(np.float64) @ feats) / np.maximum(count_neg, 1.0)[:, None]
+    return proto_neg, proto_pos, count_neg, count_pos
+
+
+def learning_degree(probs: np.ndarray, annotated: np.ndarray, low: float = 0.3, high: float = 0.7) -> np.ndarray:
+    """Local learning degree d_c (paper Eq. 10): fraction of the site's samples whose
+    probability for class c is < ``low`` or > ``high``; 0 for a class the site does not annotate.
+
+    Args:
+        probs: ``(N, C)`` sigmoid probabilities of the locally trained model.
+        annotated: ``(C,)`` bool, classes the site annotates.
+        low: L (paper 0.3).
+        high: R (paper 0.7).
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    if probs.shape[0] == 0:
+        return np.zeros(probs.shape[1])
+    confident = ((probs < low) | (probs > high)).mean(axis=0)
+    return np.where(np.asarray(annotated, dtype=bool), confident, 0.0)
+
+
+def prototype_scores(features: torch.Tensor, proto_neg: torch.Tensor, proto_pos: torch.Tensor) -> torch.Tensor:
+    """Z = cos(f, P0_c) - cos(f, P1_c) for every sample and class (paper Eq. 7); Z < 0 = more
+    like a positive.
+
+    Args:
+        features: ``(N, D)``.
+        proto_neg: ``(C, D)`` global negative prototypes P0.
+        proto_pos: ``(C, D)`` global positive prototypes P1.
+
+    Returns:
+        ``(N, C)``.
+    """
+    f = F.normalize(features.float(), dim=1)
+    p0 = F.normalize(proto_neg.float(), dim=1)
+    p1 = F.normalize(proto_pos.float(), dim=1)
+    return f @ p0.T - f @ p1.T
+
+
+def select_tags(z: torch.Tensor, candidate: torch.Tensor, tau_neg, tau_pos) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Rank-based tagging of paper Eq. 8-9, per class.
+
+    Among the candidate entries of class c with Z >= 0, the ``floor(tau_neg[c] * count)`` with
+    the largest Z become negatives; among those with Z < 0, the ``floor(tau_pos[c] * count)``
+    with the smallest Z become positives. Ties are broken by sample order (stable sort).
+
+    Args:
+        z: ``(N, C)`` scores from :func:`prototype_scores`.
+        candidate: ``(N, C)`` bool, still-untagged missing entries whose class has a valid
+            global prototype.
+        tau_neg: ``(C,)`` or scalar fraction tau0.
+        tau_pos: ``(C,)`` or scalar fraction tau1.
+
+    Returns:
+        ``(new_neg, new_pos)`` bool ``(N, C)``.
+    """
+    n, c = z.shape
+    tau_neg = torch.as_tensor(tau_neg, dtype=torch.float64).expand(c)
+    tau_pos = torch.as_tensor(tau_pos, dtype=torch.float64).expand(c)
+    new_neg = torch.zeros(n, c, dtype=torch.bool)
+    new_pos = torch.zeros(n, c, dtype=torch.bool)
+    z = z.detach().cpu().double()
+    candidate = candidate.cpu().bool()
+    for j in range(c):
+        nonneg = torch.nonzero(candidate[:, j] & (z[:, j] >= 0)).flatten()
+        negative = torch.nonzero(candidate[:, j] & (z[:, j] < 0)).flatten()
+        k0 = int(np.floor(float(tau_neg[j]) * len(nonneg) + 1e-9))
+        k1 = int(np.floor(float(tau_pos[j]) * len(negative) + 1e-9))
+        if k0 > 0:
+            order = torch.sort(-z[nonneg, j], stable=True).indices  # largest Z first
+            new_neg[nonneg[order[:k0]], j] = True
+        if k1 > 0:
+            order = torch.sort(z[negative, j], stable=True).indices  # smallest Z first
+            new_pos[negative[order[:k1]], j] = True
+    return new_neg, new_pos
+
+
+def average_prototypes(prototypes: List[np.ndarray], counts: List[np.ndarray], annotated: List[np.ndarray],
+                       sizes: List[float], min_samples: int = 1) -> Tuple[np.ndarray, np.ndarray]:
+    """Global prototype of each class (paper Eq. 6, size-weighted as in the reference code):
+    mean of the sites' prototypes weighted by site size, over the sites that annotate the class
+    and computed it from at least ``min_samples`` samples.
+
+    Args:
+        prototypes: per site ``(C, D)``.
+        counts: per site ``(C,)`` samples behind each prototype.
+        annotated: per site ``(C,)`` bool.
+        sizes: per site weight (number of training samples).
+        min_samples: a prototype from fewer samples is treated as absent.
+
+    Returns:
+        ``(global (C, D), valid (C,) bool)``; rows without any valid site are zeros / False.
+    """
+    protos = np.stack([np.asarray(p, dtype=np.float64) for p in prototypes])  # (K, C, D)
+    usable = np.stack([np.asarray(a, dtype=bool) & (np.asarray(n, dtype=np.float64) >= max(min_samples, 1))
+                       for a, n in zip(annotated, counts)])  # (K, C)
+    w = usable * np.asarray(sizes, dtype=np.float64)[:, None]  # (K, C)
+    total = w.sum(0)
+    valid = total > 0
+    out = np.einsum("kc,kcd->cd", w, protos) / np.where(valid, total, 1.0)[:, None]
+    return np.where(valid[:, None], out, 0.0), valid
+
+
+def global_learning_degree(degrees: List[np.ndarray], annotated: List[np.ndarray], sizes: List[float]) -> np.ndarray:
+    """d_c^G = sum_{k in S_c} |D_k| / sum_{i in S_c} |D_i| * d_c^k (paper Eq. 10); 0 where no site
+    annotates c.
+
+    Args:
+        degrees: per site ``(C,)`` d_c^k.
+        annotated: per site ``(C,)`` bool.
+        sizes: per site |D_k|.
+    """
+    w = np.stack([np.asarray(a, dtype=bool) for a in annotated]) * np.asarray(sizes, dtype=np.float64)[:, None]
+    d = np.stack([np.asarray(x, dtype=np.float64) for x in degrees])
+    total = w.sum(0)
+    return np.where(total > 0, (w * d).sum(0) / np.where(total > 0, total, 1.0), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Persistent tags
+# ----------------------------------------------------------------------------------------------
+
+def _mask_fingerprint(label_mask: np.ndarray) -> int:
+    """Cheap checksum of the label mask, so tags saved for other data are not reused."""
+    m = np.asarray(label_mask, dtype=np.int64)
+    return int((m * (np.arange(m.size, dtype=np.int64).reshape(m.shape) % 9973 + 1)).sum())
+
+
+def save_tags(path: str, tags: np.ndarray, last_round: int, label_mask: np.ndarray) -> None:
+    """Write the tag matrix (-1 untagged, 0 / 1 tagged) atomically."""
+    tmp = f"{path}.tmp{os.getpid()}.npz"
+    np.savez(tmp, tags=tags.astype(np.int8), last_round=np.int64(last_round),
+             fingerprint=np.int64(_mask_fingerprint(label_mask)))
+    os.replace(tmp, path)
+
+
+def load_tags(path: str, label_mask: np.ndarray) -> Tuple[np.ndarray, int]:
+    """Read tags written by :func:`save_tags`; raise naming the file when they belong to other data."""
+    with np.load(path) as f:
+        tags, last_round, fp = f["tags"].astype(np.int8), int(f["last_round"]), int(f["fingerprint"])
+    if tags.shape != np.shape(label_mask) or fp != _mask_fingerprint(label_mask):
+        raise DataError(f"FedMLP tag file '{path}' holds tags of shape {tags.shape} for other data than this "
+                        f"site's train split {np.shape(label_mask)}; delete it to start tagging afresh")
+    return tags, last_round
+
+
+# ----------------------------------------------------------------------------------------------
+# Client rule
+# ----------------------------------------------------------------------------------------------
+
+class FedMLPClient(ClientRule):
+    """FedMLP local training (see module docstring).
+
+    Args:
+        warmup_rounds: rounds of stage 1 (paper t1 = 50 of 500 rounds).
+        lr: Adam learning rate (paper 3e-5).
+        weight_decay: Adam weight decay (L2, 5e-4 as in the reference code).
+        betas: Adam betas (reference: (0.9, 0.999)).
+        batch_size: samples per step (paper 32).
+        local_epochs: epochs per round (paper 1).
+        num_views: augmented views of each batch whose losses are averaged (paper 2).
+        augmentation: ``weak`` (flips) | ``strong`` | ``none``.
+        low: L of the learning degree (paper 0.3).
+        high: R of the learning degree (paper 0.7).
+        la_tau: logit-adjustment strength (1 = paper Eq. 3).
+        la_eps: positive rates are clipped to ``[la_eps, 1-la_eps]``.
+        cr_weight: weight of the consistency term (reference: 1).
+        use_mld: missing label detection / tagging (off = no tags).
+        use_wpc: logit-adjusted WPC loss (off = plain BCE on annotated + tagged entries).
+        use_cr: consistency regularisation with the global model.
+        use_adaptive_threshold: tau = d_c^G * T (off = fixed T0 / T1 from the server).
+        prediction_batch_size: batch size of the no-gradient passes (features, probabilities).
+    """
+
+    task_kind = "classification"
+
+    def __init__(self, warmup_rounds: int = 50, lr: float = 3e-5, weight_decay: float = 5e-4,
+                 betas=(0.9, 0.999), batch_size: int = 32, local_epochs: int = 1, num_views: int = 2,
+                 augmentation: str = "weak", low: float = 0.3, high: float = 0.7, la_tau: float = 1.0,
+                 la_eps: float = 1e-3, cr_weight: float = 1.0, use_mld: bool = True, use_wpc: bool = True,
+                 use_cr: bool = True, use_adaptive_threshold: bool = True, prediction_batch_size: int = 256):
+        if int(warmup_rounds) < 1:
+            raise ValueError(f"FedMLP warmup_rounds must be >= 1 (prototypes come from a warmed-up model), "
+                             f"got {warmup_rounds}")
+        if not 0.0 <= low < high <= 1.0:
+            raise ValueError(f"FedMLP needs 0 <= low < high <= 1 for the learning degree, got low={low} high={high}")
+        if int(num_views) < 1 or int(batch_size) < 1 or int(local_epochs) < 1:
+            raise ValueError(f"FedMLP num_views, batch_size, local_epochs must be >= 1, got {num_views}, "
+                             f"{batch_size}, {local_epochs}")
+        if not 0.0 < la_eps < 0.5:
+            raise ValueError(f"FedMLP la_eps must be in (0, 0.5), got {la_eps}")
+        self.warmup_rounds, self.lr, self.weight_decay, self.betas = int(warmup_rounds), lr, weight_decay, tuple(betas)
+        self.batch_size, self.local_epochs, self.num_views = int(batch_size), int(local_epochs), int(num_views)
+        self.augmentation = augmentation
+        self.view = None if augmentation == "weak" else make_view(augmentation)  # validates the name
+        self.low, self.high, self.la_tau, self.la_eps, self.cr_weight = low, high, la_tau, la_eps, cr_weight
+        self.use_mld, self.use_wpc, self.use_cr = bool(use_mld), bool(use_wpc), bool(use_cr)
+        self.use_adaptive_threshold = bool(use_adaptive_threshold)
+        self.prediction_batch_size = int(prediction_batch_size)
+
+    # -- set-up and persistent state -------------------------------------------------------------
+    def setup(self, ctx) -> None:
+        super().setup(ctx)
+        data = ctx.data
+        if data.task != MULTI_LABEL:
+            raise DataError(f"FedMLP is a multi-label method; {data.where()} has task '{data.task}'")
+        train = data.splits.get("train")
+        if train is None or train.label_mask is None:
+            raise DataError(f"{data.where()} has no train split with a label mask (train_label_mask)")
+        self.labels_np = np.asarray(train.labels, dtype=np.float32)
+        self.mask_np = np.asarray(train.label_mask).astype(bool)
+        self.annotated = self.mask_np.any(axis=0)
+        norm = ctx.normalisation
+        self.images = images_to_tensor(train.images, norm["mean"], norm["std"])
+        self.class_names = list(data.class_names)
+        self.tags_path = os.path.join(ctx.state_dir, TAGS_FILE)
+        os.makedirs(ctx.state_dir, exist_ok=True)
+        if os.path.exists(self.tags_path):
+            self.tags, self.last_tag_round = load_tags(self.tags_path, self.mask_np)
+            ctx.log(f"FedMLP: site '{ctx.site}' reloaded {int((self.tags >= 0).sum())} tags "
+                    f"(last tagged in round {self.last_tag_round}) from {self.tags_path}")
+        else:
+            self.tags = np.full(self.mask_np.shape, UNTAGGED, dtype=np.int8)
+            self.last_tag_round = -1
+        if not self.annotated.any():
+            ctx.log(f"FedMLP: site '{ctx.site}' annotates no class; it trains with consistency only")
+
+    def stage(self, round_index: int) -> int:
+        """1 during warm-up (rounds ``0 .. warmup_rounds-1``), 2 after."""
+        return 1 if round_index < self.warmup_rounds else 2
+
+    def sends_stats(self, round_index: int) -> bool:
+        """Prototypes / learning degrees are sent from the last warm-up round on (Algorithm 1)."""
+        return round_index >= self.warmup_rounds - 1
+
+    def _augment(self, x: torch.Tensor) -> torch.Tensor:
+        if self.augmentation == "weak":
+            return flip_batch(x)
+        return x if self.view is None else self.view(x)
+
+    # -- missing label detection ------------------------------------------------------------------
+    def _thresholds(self, gs: Dict, c: int) -> Tuple[np.ndarray, np.ndarray]:
+        if self.use_adaptive_threshold:
+            return np.asarray(gs["tau0"], dtype=np.float64), np.asarray(gs["tau1"], dtype=np.float64)
+        return np.full(c, float(gs["t0"])), np.full(c, float(gs["t1"]))
+
+    def _tag(self, model, inp: RoundInput) -> Tuple[np.ndarray, np.ndarray]:
+        """Tag new entries for this round (once per round, also across restarts). Returns per-class
+        counts of new negative and positive tags."""
+        c = self.mask_np.shape[1]
+        zeros = (np.zeros(c, dtype=np.int64), np.zeros(c, dtype=np.int64))
+        gs = inp.global_stats or {}
+        if inp.round <= self.last_tag_round:
+            return zeros  # this round's tags were already drawn before a restart
+        if "prototypes_neg" not in gs:
+            self.ctx.log(f"FedMLP: round {inp.round} is in stage 2 but the server sent no prototypes; no tagging")
+            return zeros
+        valid = np.asarray(gs["prototype_valid"], dtype=bool)
+        candidate = ~self.mask_np & (self.tags == UNTAGGED) & valid[None, :]
+        if candidate.any():
+            _, feats = predict(model, self.images, self.ctx.device, self.prediction_batch_size, with_features=True)
+            z = prototype_scores(feats, torch.as_tensor(np.asarray(gs["prototypes_neg"])),
+                                 torch.as_tensor(np.asarray(gs["prototypes_pos"])))
+            tau0, tau1 = self._thresholds(gs, c)
+            new_neg, new_pos = select_tags(z, torch.from_numpy(candidate), tau0, tau1)
+            new_neg, new_pos = new_neg.numpy(), new_pos.numpy()
+            self.tags[new_neg] = 0
+            self.tags[new_pos] = 1
+        else:
+            new_neg = new_pos = np.zeros_like(candidate)
+        self.last_tag_round = inp.round
+        save_tags(self.tags_path, self.tags, self.last_tag_round, self.mask_np)
+        return new_neg.sum(0), new_pos.sum(0)
+
+    def _tag_quality(self) -> Dict[str, float]:
+        """Precision / recall of all tags so far against the hidden complete labels (diagnostics
+        only: ``ctx.reference`` is None unless the job enables them)."""
+        ref = self.ctx.reference
+        if ref is None:
+            return {}
+        true = np.asarray(ref.splits["train"].labels)
+        if true.shape != self.tags.shape:
+            self.ctx.log(f"FedMLP: reference labels {true.shape} do not match the train split {self.tags.shape}; "
+                         "no tag diagnostics")
+            return {}
+        missing = ~self.mask_np
+        true_pos = (true > 0.5) & missing
+        true_neg = (true <= 0.5) & missing
+        out = {}
+        for name, tagged, truth in (("pos", self.tags == 1, true_pos), ("neg", self.tags == 0, true_neg)):
+            hits = float((tagged & truth).sum())
+            if tagged.sum() > 0:
+                out[f"tag_precision_{name}"] = hits / float(tagged.sum())
+            if truth.sum() > 0:
+                out[f"tag_recall_{name}"] = hits / float(truth.sum())
+        return out
+
+    # -- one round --------------------------------------------------------------------------------
+    def train_round(self, model, inp: RoundInput) -> RoundResult:
+        n, c = self.mask_np.shape
+        stage = self.stage(inp.round)
+        seed_everything(self.ctx.seed * 1000 + inp.round)
+        rng = np.random.default_rng(self.ctx.seed * 1000 + inp.round)
+        device = self.ctx.device
+        metrics: Dict[str, float] = {"stage": float(stage)}
+
+        new_neg = new_pos = np.zeros(c, dtype=np.int64)
+        if stage == 2 and self.use_mld:
+            new_neg, new_pos = self._tag(model, inp)
+        teacher = None
+        if stage == 2 and self.use_cr:
+            teacher = copy.deepcopy(model).eval()  # the received global model
+            for p in teacher.parameters():
+                p.requires_grad_(False)
+
+        tags = self.tags if self.use_mld else np.full_like(self.tags, UNTAGGED)
+        tagged = ~self.mask_np & (tags >= 0)
+        train_mask = torch.from_numpy((self.mask_np | tagged).astype(np.float32))
+        targets = torch.from_numpy(np.where(self.mask_np, self.labels_np, (tags == 1)).astype(np.float32))
+        cr_mask = torch.from_numpy((~self.mask_np & (tags == UNTAGGED)).astype(np.float32))
+        offset = None
+        if self.use_wpc:
+            offset = logit_adjustment(positive_rates(targets, train_mask), self.la_tau, self.la_eps)
+
+        optimizer = torch.optim.Adam(model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
+        model.train()
+        sup_losses, cr_losses, steps = [], [], 0
+        for _ in range(self.local_epochs):
+            for idx in batch_indices(n, self.batch_size, rng, drop_last=True):
+                if self.ctx.abort():
+                    return RoundResult(num_samples=n, metrics=metrics)
+                y, m = targets[idx].to(device), train_mask[idx].to(device)
+                loss_sup = loss_cr = torch.zeros((), device=device)
+                for _v in range(self.num_views):
+                    x = self._augment(self.images[idx]).to(device, non_blocking=True)
+                    _, logits = model(x)
+                    loss_sup = loss_sup + wpc_loss(logits, y, m, offset) / self.num_views
+                    if teacher is not None:
+                        with torch.no_grad():
+                            _, t_logits = teacher(x)
+                        loss_cr = loss_cr + consistency_loss(logits, t_logits, cr_mask[idx].to(device)) / self.num_views
+                loss = loss_sup + self.cr_weight * loss_cr
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                sup_losses.append(float(loss_sup.detach()))
+                cr_losses.append(float(loss_cr.detach()))
+                steps += 1
+
+        metrics.update({"train_loss": float(np.mean(sup_losses) + self.cr_weight * np.mean(cr_losses)) if steps else 0.0,
+                        "loss_wpc": float(np.mean(sup_losses)) if steps else 0.0,
+                        "loss_cr": float(np.mean(cr_losses)) if steps else 0.0, "train_steps": float(steps)})
+        if stage == 2 and self.use_mld:
+            for j in range(c):
+                if not self.annotated[j]:
+                    metrics[f"tags_new_neg_c{j}"] = float(new_neg[j])
+                    metrics[f"tags_new_pos_c{j}"] = float(new_pos[j])
+            metrics["tags_total_neg"] = float((tagged & (tags == 0)).sum())
+            metrics["tags_total_pos"] = float((tagged & (tags == 1)).sum())
+            metrics.update(self._tag_quality())
+
+        stats = self.local_stats(model) if self.sends_stats(inp.round) else {}
+        return RoundResult(num_samples=n, stats=stats, metrics=metrics)
+
+    def local_stats(self, model) -> Dict[str, np.ndarray]:
+        """Prototypes and learning degrees of the locally trained model (Algorithm 1, Local
+        Calculation), for the annotated classes; zeros (and ``annotated`` False) elsewhere."""
+        logits, feats = predict(model, self.images, self.ctx.device, self.prediction_batch_size, with_features=True)
+        p_neg, p_pos, n_neg, n_pos = class_prototypes(feats.numpy(), self.labels_np, self.mask_np)
+        degree = learning_degree(torch.sigmoid(logits).numpy(), self.annotated, self.low, self.high)
+        return {"prototypes_neg": p_neg.astype(np.float32), "prototypes_pos": p_pos.astype(np.float32),
+                "prototype_counts_neg": n_neg, "prototype_counts_pos": n_pos,
+                "learning_degree": degree, "annotated": self.annotated.copy()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Server rule
+# ----------------------------------------------------------------------------------------------
+
+class FedMLPServer(ServerRule):
+    """FedAvg of the weights plus global prototypes, learning degrees and tagging thresholds.
+
+    Args:
+        t0: T0, base fraction of negatives tagged per round (paper 0.5 % = 0.005).
+        t1: T1, base fraction of positives tagged per round (paper 1 % = 0.01).
+        min_prototype_samples: a site prototype from fewer samples counts as absent (1 = use
+            every non-empty prototype, as the paper).
+    """
+
+    def __init__(self, t0: float = 0.005, t1: float = 0.01, min_prototype_samples: int = 1):
+        for name, v in (("t0", t0), ("t1", t1)):
+            if not 0.0 <= float(v) <= 1.0:
+                raise ValueError(f"FedMLP {name} must be a fraction in [0, 1], got {v}")
+        if int(min_prototype_samples) < 1:
+            raise ValueError(f"FedMLP min_prototype_samples must be >= 1, got {min_prototype_samples}")
+        self.t0, self.t1, self.min_prototype_samples = float(t0), float(t1), int(min_prototype_samples)
+
+    @staticmethod
+    def _expected_shape(ctx: ServerContext) -> Tuple[Optional[int], Optional[int]]:
+        """(C, D) from the classifier weight in the global model, when known."""
+        for name in ctx.classifier_param_names or []:
+            w = ctx.global_weights.get(name) if ctx.global_weights else None
+            if w is not None and np.ndim(w) == 2:
+                return int(np.shape(w)[0]), int(np.shape(w)[1])
+        return None, None
+
+    def check_stats(self, update: SiteUpdate, ctx: ServerContext) -> None:
+        stats = update.stats or {}
+        present = [k for k in STAT_KEYS if k in stats]
+        if not present:
+            return  # warm-up rounds send no statistics
+        missing = [k for k in STAT_KEYS if k not in stats]
+        if missing:
+            raise ValueError(f"FedMLP stats from site '{update.site}' lack key '{missing[0]}'")
+        exp_c, exp_d = self._expected_shape(ctx)
+        p_neg = np.asarray(stats["prototypes_neg"])
+        if p_neg.ndim != 2:
+            raise ValueError(f"FedMLP stat 'prototypes_neg' from site '{update.site}' must be (C, D), got {p_neg.shape}")
+        c, d = exp_c if exp_c is not None else p_neg.shape[0], exp_d if exp_d is not None else p_neg.shape[1]
+        for key in STAT_KEYS:
+            value = np.asarray(stats[key])
+            shape = (c, d) if key.startswith("prototypes_") else (c,)
+            if value.shape != shape:
+                raise ValueError(f"FedMLP stat '{key}' from site '{update.site}' has shape {value.shape}, "
+                                 f"expected {shape}")
+            if key == "annotated":
+                if not np.isin(value.astype(np.float64), (0.0, 1.0)).all():
+                    raise ValueError(f"FedMLP stat 'annotated' from site '{update.site}' must be 0/1")
+                continue
+            if not np.isfinite(value.astype(np.float64)).all():
+                raise ValueError(f"FedMLP stat '{key}' from site '{update.site}' holds NaN or Inf")
+        if (np.asarray(stats["prototype_counts_neg"]) < 0).any() or (np.asarray(stats["prototype_counts_pos"]) < 0).any():
+            raise ValueError(f"FedMLP stat 'prototype_counts_*' from site '{update.site}' is negative")
+        deg = np.asarray(stats["learning_degree"], dtype=np.float64)
+        if (deg < 0).any() or (deg > 1).any():
+            raise ValueError(f"FedMLP stat 'learning_degree' from site '{update.site}' must lie in [0, 1]")
+
+    def aggregate(self, updates: List[SiteUpdate], ctx: ServerContext):
+        weights = fedavg_weights(updates)
+        with_stats = [u for u in updates if u.num_samples > 0 and u.stats and "prototypes_neg" in u.stats]
+        if not with_stats:
+            return weights, {"stage": 1, "t0": self.t0, "t1": self.t1}
+        sizes = [float(u.num_samples) for u in with_stats]
+        annotated = [np.asarray(u.stats["annotated"]).astype(bool) for u in with_stats]
+        p_neg, valid_neg = average_prototypes([u.stats["prototypes_neg"] for u in with_stats],
+                                              [u.stats["prototype_counts_neg"] for u in with_stats],
+                                              annotated, sizes, self.min_prototype_samples)
+        p_pos, valid_pos = average_prototypes([u.stats["prototypes_pos"] for u in with_stats],
+                                              [u.stats["prototype_counts_pos"] for u in with_stats],
+                                              annotated, sizes, self.min_prototype_samples)
+        valid = valid_neg & valid_pos  # Z needs both prototypes
+        degree = global_learning_degree([u.stats["learning_degree"] for u in with_stats], annotated, sizes)
+        invalid = [int(j) for j in np.flatnonzero(~valid)]
+        if invalid:
+            ctx.log(f"FedMLP round {ctx.round}: no valid global prototype pair for classes {invalid}; "
+                    "sites skip tagging them")
+        global_stats = {
+            "stage": 2, "prototypes_neg": p_neg.astype(np.float32), "prototypes_pos": p_pos.astype(np.float32),
+            "prototype_valid": valid, "learning_degree": degree,
+            "tau0": degree * self.t0, "tau1": degree * self.t1, "t0": self.t0, "t1": self.t1,
+            "prototype_sites": len(with_stats),
+        }
+        return weights, global_stats

@@ -1,0 +1,210 @@
+"""Plain Dice-loss supervised lesion segmentation: the FedAvg segmentation baselines and FedIA's
+warm-up share these pieces.
+
+* :func:`binary_masks` checks a site's train masks and turns them into 0/1 uint8 ``(N, H, W)``;
+* :func:`train_dice_epoch` runs one local epoch with MONAI ``DiceLoss(sigmoid=True)`` and returns
+  the sample-weighted mean loss (FedIA's ℓ_k, eq. 5);
+* :func:`foreground_probabilities` and :func:`iou_score` give the IoU of a model on the site's
+  own train masks (FedIA's IoU_k(t));
+* :class:`SegmentationSupervisedClient` is the baseline client rule (jobs ``fedavg_seg`` on the
+  incomplete masks and ``fedavg_seg_full`` on the complete reference copies).
+
+Binary segmentation only: the model has one output channel read with a sigmoid.
+"""
+from __future__ import annotations
+
+from typing import Callable, Tuple
+
+import numpy as np
+import torch
+
+from fedpartial.algorithms.base import ClientContext, ClientRule, RoundInput, RoundResult
+from fedpartial.data.types import DataError
+from fedpartial.training.common import batch_indices, images_to_tensor, predict, seed_everything
+
+
+def binary_masks(ctx: ClientContext, split: str = "train") -> np.ndarray:
+    """The site's ``split`` masks as uint8 0/1 ``(N, H, W)`` (any id > 0 is foreground).
+
+    Args:
+        ctx: the client context (its ``data`` must be a segmentation dataset).
+        split: which split to read.
+
+    Raises:
+        DataError: not a segmentation site file, split missing, or mask shape != image shape.
+    """
+    data = ctx.data
+    if not data.is_segmentation:
+        raise DataError(f"{data.where()}: task is '{data.task}', a segmentation rule needs task 'segmentation'")
+    if split not in data.splits:
+        raise DataError(f"{data.where()}: no '{split}' split (have {sorted(data.splits)})")
+    part = data.splits[split]
+    masks = np.asarray(part.labels)
+    if masks.ndim != 3 or masks.shape != part.images.shape[:3]:
+        raise DataError(f"{data.where()}: key '{split}_labels' has shape {masks.shape}, expected (N, H, W) = "
+                        f"{part.images.shape[:3]} to match '{split}_images'")
+    return (masks > 0).astype(np.uint8)
+
+
+def make_adam(model: torch.nn.Module, lr: float, betas, weight_decay: float) -> torch.optim.Optimizer:
+    """A fresh Adam optimizer for one round (FedIA: lr 1e-4, betas (0.9, 0.99))."""
+    return torch.optim.Adam(model.parameters(), lr=float(lr), betas=tuple(betas), weight_decay=float(weight_decay))
+
+
+def make_dice_loss(batch: bool = False):
+    """MONAI Dice loss on one sigmoid output channel.
+
+    Args:
+        batch: False = Dice per image then mean over the batch (MONAI's default); True = one Dice
+            over the whole batch.
+    """
+    from monai.losses import DiceLoss
+
+    return DiceLoss(sigmoid=True, batch=bool(batch))
+
+
+def train_dice_epoch(model: torch.nn.Module, images: torch.Tensor, masks: np.ndarray, optimizer: torch.optim.Optimizer,
+                     loss_fn: Callable, device: torch.device, batch_size: int, rng: np.random.Generator,
+                     abort: Callable[[], bool] = lambda: False) -> Tuple[float, int]:
+    """One local epoch of Dice-loss training on ``images`` / ``masks``.
+
+    Args:
+        model: a segmentation model, ``model(x) -> (features, logits (N, 1, H, W))``; trained in place.
+        images: normalised ``(N, C, H, W)`` CPU tensor.
+        masks: uint8 0/1 ``(N, H, W)`` targets (the masks the site trains on this round).
+        optimizer: optimizer over ``model``'s parameters.
+        loss_fn: e.g. :func:`make_dice_loss`; called as ``loss_fn(logits, target)``.
+        device: where to train.
+        batch_size: images per step (the last, smaller batch is kept).
+        rng: numpy generator for the shuffle.
+        abort: returns True when the round must stop.
+
+    Returns:
+        ``(mean_loss, steps)``: the per-image mean training loss (each batch loss weighted by its
+        size, FedIA eq. 5) and the number of optimizer steps. ``mean_loss`` is NaN when no step ran.
+    """
+    n = int(images.shape[0])
+    model.train()
+    total, seen, steps = 0.0, 0, 0
+    for idx in batch_indices(n, int(batch_size), rng, shuffle=True):
+        if abort():
+            break
+        x = images[idx].to(device, non_blocking=True)
+        y = torch.from_numpy(masks[idx]).to(device=device, dtype=torch.float32).unsqueeze(1)
+        _, logits = model(x)
+        loss = loss_fn(logits, y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        total += float(loss.detach()) * len(idx)
+        seen += len(idx)
+        steps += 1
+    return (total / seen if seen else float("nan")), steps
+
+
+def foreground_probabilities(model: torch.nn.Module, images: torch.Tensor, device: torch.device,
+                             batch_size: int = 16) -> np.ndarray:
+    """Sigmoid foreground probability ``(N, H, W)`` float32 of ``model`` in eval mode.
+
+    Args:
+        model: segmentation model with one output channel.
+        images: normalised ``(N, C, H, W)`` CPU tensor.
+        device: where to run.
+        batch_size: images per forward pass.
+    """
+    if images.shape[0] == 0:
+        return np.zeros((0,) + tuple(images.shape[2:]), dtype=np.float32)
+    logits = predict(model, images, device, batch_size=batch_size)
+    if logits.ndim != 4 or logits.shape[1] != 1:
+        raise ValueError(f"segmentation model must output (N, 1, H, W) logits, got {tuple(logits.shape)}")
+    return torch.sigmoid(logits[:, 0]).numpy().astype(np.float32)
+
+
+def iou_score(predicted: np.ndarray, target: np.ndarray) -> float:
+    """IoU of two binary mask stacks pooled over all pixels of all images
+    (sum of intersections / sum of unions); 1.0 when both are empty everywhere.
+
+    Args:
+        predicted: bool / 0-1 array.
+        target: bool / 0-1 array of the same shape.
+    """
+    predicted, target = np.asarray(predicted) > 0, np.asarray(target) > 0
+    if predicted.shape != target.shape:
+        raise ValueError(f"iou_score: predicted shape {predicted.shape} != target shape {target.shape}")
+    union = np.logical_or(predicted, target).sum()
+    if union == 0:
+        return 1.0
+    return float(np.logical_and(predicted, target).sum() / union)
+
+
+class SegmentationSupervisedClient(ClientRule):
+    """Local Dice-loss training of a binary lesion segmentation model (FedAvg baselines).
+
+    Every round: one (or ``local_epochs``) epoch(s) of Adam on the site's train masks, then the
+    IoU of the trained model on those same masks. Metrics: ``train_loss``, ``train_iou``.
+
+    Args:
+        lr: Adam learning rate (FedIA paper: 1e-4).
+        betas: Adam betas (paper: (0.9, 0.99)).
+        weight_decay: Adam weight decay (the paper names none; its code uses 5e-4).
+        batch_size: images per step (paper: 4).
+        local_epochs: epochs per round (paper: 1).
+        prob_threshold: foreground probability above which a pixel is predicted lesion (IoU).
+        dice_batch: MONAI ``DiceLoss(batch=...)``: False = per-image Dice averaged.
+        predict_batch_size: images per forward pass when predicting.
+    """
+
+    task_kind = "segmentation"
+
+    def __init__(self, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, batch_size: int = 4,
+                 local_epochs: int = 1, prob_threshold: float = 0.5, dice_batch: bool = False,
+                 predict_batch_size: int = 16):
+        if int(batch_size) < 1 or int(local_epochs) < 1:
+            raise ValueError(f"batch_size and local_epochs must be >= 1, got {batch_size} and {local_epochs}")
+        if not 0.0 < float(prob_threshold) < 1.0:
+            raise ValueError(f"prob_threshold must be in (0, 1), got {prob_threshold}")
+        self.lr, self.betas, self.weight_decay = float(lr), tuple(betas), float(weight_decay)
+        self.batch_size, self.local_epochs = int(batch_size), int(local_epochs)
+        self.prob_threshold, self.dice_batch = float(prob_threshold), bool(dice_batch)
+        self.predict_batch_size = int(predict_batch_size)
+
+    def setup(self, ctx: ClientContext) -> None:
+        super().setup(ctx)
+        self.masks = binary_masks(ctx, "train")
+        norm = ctx.normalisation
+        self.images = images_to_tensor(ctx.data.splits["train"].images, norm["mean"], norm["std"])
+        self.loss_fn = make_dice_loss(self.dice_batch)
+
+    def round_rng(self, round_index: int) -> np.random.Generator:
+        """Seed torch and return the shuffle generator of ``round_index`` (repeatable rounds)."""
+        seed = int(self.ctx.seed) * 1000 + int(round_index)
+        seed_everything(seed)
+        return np.random.default_rng(seed)
+
+    def train_on(self, model, masks: np.ndarray, round_index: int) -> Tuple[float, float, int]:
+        """Train ``model`` in place on ``masks`` for ``local_epochs`` epochs, then measure its IoU on
+        the same masks. Returns ``(mean_loss, iou, steps)`` (mean loss of the last epoch)."""
+        rng = self.round_rng(round_index)
+        device = self.ctx.device
+        model.to(device)
+        optimizer = make_adam(model, self.lr, self.betas, self.weight_decay)
+        mean_loss, steps = float("nan"), 0
+        for _ in range(self.local_epochs):
+            mean_loss, epoch_steps = train_dice_epoch(model, self.images, masks, optimizer, self.loss_fn, device,
+                                                      self.batch_size, rng, self.ctx.abort)
+            steps += epoch_steps
+        iou = iou_score(self.predict(model) > self.prob_threshold, masks)
+        return mean_loss, iou, steps
+
+    def predict(self, model) -> np.ndarray:
+        """Foreground probabilities ``(N, H, W)`` of ``model`` on the site's train images."""
+        return foreground_probabilities(model, self.images, self.ctx.device, self.predict_batch_size)
+
+    def train_round(self, model, inp: RoundInput) -> RoundResult:
+        n = len(self.masks)
+        if n == 0:
+            self.ctx.log(f"site '{self.ctx.site}' has no training image: it takes no part in FedAvg")
+            return RoundResult(num_samples=0, metrics={"train_loss": 0.0, "train_iou": 0.0})
+        mean_loss, iou, steps = self.train_on(model, self.masks, inp.round)
+        return RoundResult(num_samples=n, metrics={"train_loss": mean_loss, "train_iou": iou, "train_steps": steps})
+

@@ -1,0 +1,142 @@
+"""The server side: one Aggregator for every method. It checks each site's update, then hands the
+round's valid updates to the method's ServerRule (the whole server rule lives there)."""
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+import numpy as np
+from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
+from nvflare.apis.fl_constant import ReservedKey, ReturnCode
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable
+from nvflare.app_common.abstract.aggregator import Aggregator
+from nvflare.app_common.abstract.model import ModelLearnableKey
+from nvflare.app_common.app_constant import AppConstants
+
+from fedpartial.algorithms.base import ServerContext, SiteUpdate
+from fedpartial.flare.common import GLOBAL_STATS, SITE_METRICS, SITE_STATS, atomic_write_json, build_rule
+
+METRICS_FILE = "metrics.json"
+
+
+def check_weights(weights, reference: Dict[str, np.ndarray]) -> None:
+    """Raise ValueError naming the first key that is missing, unexpected, misshapen or not finite."""
+    if not isinstance(weights, dict) or not weights:
+        raise ValueError("update holds no weights")
+    if reference:
+        missing = sorted(set(reference) - set(weights))
+        extra = sorted(set(weights) - set(reference))
+        if missing:
+            raise ValueError(f"update lacks parameter '{missing[0]}' ({len(missing)} missing)")
+        if extra:
+            raise ValueError(f"update has unexpected parameter '{extra[0]}' ({len(extra)} unexpected)")
+    for key, value in weights.items():
+        arr = np.asarray(value)
+        if reference and arr.shape != np.shape(reference[key]):
+            raise ValueError(f"parameter '{key}' has shape {arr.shape}, expected {np.shape(reference[key])}")
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise ValueError(f"parameter '{key}' holds NaN or Inf")
+
+
+class RuleAggregator(Aggregator):
+    """Collects site updates, rejects malformed ones (logged with the site's name), and
+    aggregates the rest with the method's server rule.
+
+    Args:
+        rule: dotted path of the ServerRule class.
+        rule_args: its hyperparameters.
+        persistor_id: component id of the persistor, whose model names the classifier parameters.
+        min_valid_updates: a round with fewer valid updates fails with a clear message.
+    """
+
+    def __init__(self, rule: str = "fedpartial.algorithms.fedavg.FedAvgServer", rule_args: dict = None,
+                 persistor_id: str = "persistor", min_valid_updates: int = 1):
+        super().__init__()
+        self.rule_path = rule
+        self.rule = build_rule(rule, rule_args)
+        self.persistor_id = persistor_id
+        self.min_valid_updates = int(min_valid_updates)
+        self.updates: List[SiteUpdate] = []
+        self.rejected: Dict[str, str] = {}
+        self.history: List[dict] = []
+
+    def _classifier_names(self, fl_ctx: FLContext) -> List[str]:
+        persistor = fl_ctx.get_engine().get_component(self.persistor_id)
+        model = getattr(persistor, "model", None)
+        return list(model.classifier_param_names()) if model is not None else []
+
+    def _global(self, fl_ctx: FLContext):
+        learnable = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
+        if not learnable:
+            return {}, {}
+        return learnable.get(ModelLearnableKey.WEIGHTS) or {}, (learnable.get(ModelLearnableKey.META) or {}).get(
+            GLOBAL_STATS, {}) or {}
+
+    def _context(self, fl_ctx: FLContext) -> ServerContext:
+        weights, stats = self._global(fl_ctx)
+        return ServerContext(round=int(fl_ctx.get_prop(AppConstants.CURRENT_ROUND, 0) or 0),
+                             num_rounds=int(fl_ctx.get_prop(AppConstants.NUM_ROUNDS, 1) or 1),
+                             classifier_param_names=self._classifier_names(fl_ctx), global_weights=weights,
+                             global_stats=stats, log=lambda m: self.log_info(fl_ctx, m))
+
+    def _reject(self, fl_ctx, site, why) -> bool:
+        self.rejected[site] = why
+        self.log_error(fl_ctx, f"rejected the update of site '{site}': {why}")
+        return False
+
+    def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
+        site = shareable.get_peer_prop(key=ReservedKey.IDENTITY_NAME, default="?")
+        rc = shareable.get_return_code()
+        if rc and rc != ReturnCode.OK:
+            return self._reject(fl_ctx, site, f"the site returned {rc}")
+        current = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
+        contribution = shareable.get_cookie(AppConstants.CONTRIBUTION_ROUND)
+        if contribution is not None and current is not None and contribution != current:
+            return self._reject(fl_ctx, site, f"update is for round {contribution}, current round is {current}")
+        if any(u.site == site for u in self.updates):
+            return self._reject(fl_ctx, site, "a second update in the same round")
+        try:
+            dxo = from_shareable(shareable)
+            if dxo.data_kind != DataKind.WEIGHTS:
+                raise ValueError(f"data kind {dxo.data_kind}, expected {DataKind.WEIGHTS}")
+            reference, _ = self._global(fl_ctx)
+            check_weights(dxo.data, reference)
+            num_samples = dxo.get_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND)
+            if not isinstance(num_samples, (int, np.integer)) or num_samples < 0:
+                raise ValueError(f"sample count {num_samples!r} is not a non-negative integer")
+            update = SiteUpdate(site=site, weights=dxo.data, num_samples=int(num_samples),
+                                stats=dxo.get_meta_prop(SITE_STATS) or {},
+                                metrics=dxo.get_meta_prop(SITE_METRICS) or {})
+            update.metrics["val"] = dxo.get_meta_prop(MetaKey.INITIAL_METRICS) or {}
+            self.rule.check_stats(update, self._context(fl_ctx))
+        except Exception as e:
+            return self._reject(fl_ctx, site, str(e))
+        self.updates.append(update)
+        self.log_info(fl_ctx, f"accepted the update of site '{site}' ({update.num_samples} samples)")
+        return True
+
+    def aggregate(self, fl_ctx: FLContext) -> Shareable:
+        ctx = self._context(fl_ctx)
+        valid = [u for u in self.updates if u.num_samples > 0]
+        if len(valid) < self.min_valid_updates:
+            rejected = "; ".join(f"{s}: {w}" for s, w in self.rejected.items()) or "none"
+            raise RuntimeError(f"round {ctx.round}: only {len(valid)} valid update(s) with samples, "
+                               f"{self.min_valid_updates} needed (rejected: {rejected})")
+        weights, global_stats = self.rule.aggregate(list(self.updates), ctx)
+        check_weights(weights, ctx.global_weights)
+        self._record(fl_ctx, ctx.round)
+        self.log_info(fl_ctx, f"round {ctx.round}: aggregated {len(self.updates)} update(s) with {self.rule_path}")
+        return DXO(DataKind.WEIGHTS, data=weights, meta={GLOBAL_STATS: global_stats}).to_shareable()
+
+    def _record(self, fl_ctx: FLContext, round_num: int) -> None:
+        """Append this round's per-site metrics to metrics.json in the server's run folder."""
+        self.history.append({"round": round_num,
+                             "sites": {u.site: {"num_samples": u.num_samples, **u.metrics} for u in self.updates},
+                             "rejected": dict(self.rejected)})
+        run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
+        atomic_write_json(os.path.join(run_dir, METRICS_FILE), {"rounds": self.history})
+
+    def reset(self, fl_ctx: FLContext):
+        self.updates = []
+        self.rejected = {}

@@ -1,0 +1,219 @@
+"""The site side: one Executor for every method. It loads the site's data file, builds the model
+from the job's ``model`` block, and hands each round to the method's ClientRule."""
+from __future__ import annotations
+
+import os
+import time
+import zlib
+
+import numpy as np
+import torch
+from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
+from nvflare.apis.event_type import EventType
+from nvflare.apis.executor import Executor
+from nvflare.apis.fl_constant import ReturnCode
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable, make_reply
+from nvflare.apis.signal import Signal
+from nvflare.app_common.app_constant import AppConstants
+
+from fedpartial.algorithms.base import ClientContext, RoundInput
+from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, build_model_from_settings, build_rule,
+                                     model_settings)
+from fedpartial.training.common import load_state_numpy, select_device, state_dict_numpy
+
+DATA_ROOT_ENV = "FEDPARTIAL_DATA_ROOT"
+
+
+def resolve_data_file(data_root: str, pattern: str, site: str) -> str:
+    """``data_root`` (or $FEDPARTIAL_DATA_ROOT when empty) joined with ``pattern`` for ``site``."""
+    root = data_root or os.environ.get(DATA_ROOT_ENV, "")
+    if not root:
+        raise ValueError(f"site '{site}': no data root: set 'data_root' in the job's client config "
+                         f"or the {DATA_ROOT_ENV} environment variable")
+    path = os.path.join(os.path.expanduser(root), pattern.format(site=site))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"site '{site}': data file '{path}' not found (data_root='{root}', "
+                                f"data_file='{pattern}')")
+    return path
+
+
+def load_site_dataset(path: str, site: str, settings: dict):
+    """Load and check a site file against the job's model block; resize to the job's input size."""
+    from fedpartial.data.sitefile import load_site_file
+    from fedpartial.data.transforms import resize_dataset
+
+    data = load_site_file(path, expected_site=site)
+    if data.task != settings["task"]:
+        raise ValueError(f"site '{site}': data file '{path}' holds {data.task} data, the job expects {settings['task']}")
+    if list(data.class_names) != list(settings["class_names"]):
+        raise ValueError(f"site '{site}': class names in '{path}' {list(data.class_names)} do not match the job's "
+                         f"class list {list(settings['class_names'])}")
+    channels = 1 if data.splits["train"].images.ndim == 3 else data.splits["train"].images.shape[-1]
+    if channels != settings["in_channels"]:
+        raise ValueError(f"site '{site}': images in '{path}' have {channels} channel(s), "
+                         f"the job's model expects in_channels={settings['in_channels']}")
+    size = tuple(settings.get("input_size") or (0, 0))
+    return resize_dataset(data, size) if any(size) else data
+
+
+class FedPartialExecutor(Executor):
+    """Runs a method's client rule for the tasks ``train``, ``validate`` and ``submit_model``.
+
+    Args:
+        rule: dotted path of the ClientRule class (e.g. ``fedpartial.algorithms.fedlsm.FedLSMClient``).
+        rule_args: the rule's hyperparameters.
+        model: the job's model block (arch, arch_args, in_channels, class_names, task, input_size,
+            normalisation); the same block configures the server's persistor.
+        data_root: folder holding the site files; empty = $FEDPARTIAL_DATA_ROOT.
+        data_file: file name pattern under ``data_root``; ``{site}`` is the site name.
+        reference_file: pattern of the complete-label copy, read ONLY when set (diagnostics such as
+            pseudo-label precision); method jobs leave it empty.
+        device: ``auto`` (CUDA when present), ``cpu`` or ``cuda:N``.
+        seed: base seed; each site and round derives its own.
+        key_metric: validation metric reported to the server for best-model selection.
+        state_dir: where per-site state lives; empty = ``<site workspace>/fedpartial_state/<job id>``.
+        tensorboard: write per-round metrics as TensorBoard events in the site's run folder.
+        train_task_name / submit_model_task_name / validate_task_name: FLARE task names.
+    """
+
+    def __init__(self, rule: str = "fedpartial.algorithms.fedavg.SupervisedClient", rule_args: dict = None,
+                 model: dict = None, data_root: str = "", data_file: str = "{site}.npz", reference_file: str = "",
+                 device: str = "auto", seed: int = 0, key_metric: str = "auc", state_dir: str = "",
+                 tensorboard: bool = True, train_task_name: str = AppConstants.TASK_TRAIN,
+                 submit_model_task_name: str = AppConstants.TASK_SUBMIT_MODEL,
+                 validate_task_name: str = AppConstants.TASK_VALIDATION):
+        super().__init__()
+        self.rule_path, self.rule_args = rule, dict(rule_args or {})
+        self.settings = model_settings(model or {})
+        self.data_root, self.data_file, self.reference_file = data_root, data_file, reference_file
+        self.device_name, self.seed, self.key_metric = device, int(seed), key_metric
+        self.state_dir, self.tensorboard = state_dir, tensorboard
+        self.train_task_name, self.submit_model_task_name = train_task_name, submit_model_task_name
+        self.validate_task_name = validate_task_name
+        self.site = None
+        self.rule = None
+        self.model = None
+        self.writer = None
+        self.local_weights = None
+        self.ready = False
+
+    # ---- set-up ---------------------------------------------------------------------------
+    def handle_event(self, event_type: str, fl_ctx: FLContext):
+        if event_type == EventType.START_RUN:
+            try:
+                self._setup(fl_ctx)
+            except Exception as e:  # a bad data file must stop this site with a clear message
+                self.log_error(fl_ctx, f"site set-up failed: {e}")
+                self.system_panic(f"site set-up failed: {e}", fl_ctx)
+        elif event_type == EventType.END_RUN and self.writer is not None:
+            self.writer.close()
+
+    def _setup(self, fl_ctx: FLContext):
+        self.site = fl_ctx.get_identity_name()
+        engine = fl_ctx.get_engine()
+        job_id = fl_ctx.get_job_id()
+        workspace = engine.get_workspace()
+        run_dir = workspace.get_run_dir(job_id)
+        torch.set_num_threads(max(1, int(os.environ.get("FEDPARTIAL_THREADS", torch.get_num_threads()))))
+        self.device = select_device(self.device_name)
+        data_path = resolve_data_file(self.data_root, self.data_file, self.site)
+        self.data = load_site_dataset(data_path, self.site, self.settings)
+        reference = None
+        if self.reference_file:
+            ref_path = resolve_data_file(self.data_root, self.reference_file, self.site)
+            reference = load_site_dataset(ref_path, self.site, self.settings)
+        state_dir = self.state_dir or os.path.join(workspace.get_root_dir(), "fedpartial_state", str(job_id))
+        state_dir = os.path.join(state_dir, self.site)
+        os.makedirs(state_dir, exist_ok=True)
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tb", self.site))
+        site_seed = self.seed * 1000 + zlib.crc32(self.site.encode()) % 1000
+        self.model = build_model_from_settings(self.settings).to(self.device)
+        self.rule = build_rule(self.rule_path, self.rule_args)
+        self._abort_signal = None
+        ctx = ClientContext(site=self.site, data=self.data, device=self.device, state_dir=state_dir, seed=site_seed,
+                            log=lambda msg: self.log_info(fl_ctx, msg), add_scalar=self._add_scalar,
+                            abort=self._aborted, normalisation=self.settings["normalisation"], reference=reference)
+        self.rule.setup(ctx)
+        n_train = len(self.data.splits["train"])
+        self.log_info(fl_ctx, f"site '{self.site}': {n_train} training images from {data_path}; rule "
+                              f"{self.rule_path}; device {self.device}; state in {state_dir}")
+        self.ready = True
+
+    def _aborted(self) -> bool:
+        return bool(self._abort_signal is not None and self._abort_signal.triggered)
+
+    def _add_scalar(self, tag, value, step):
+        if self.writer is not None and value is not None and np.isfinite(value):
+            self.writer.add_scalar(tag, float(value), step)
+
+    # ---- tasks ----------------------------------------------------------------------------
+    def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
+        if not self.ready:
+            self.log_error(fl_ctx, "site is not set up (see the set-up error above)")
+            return make_reply(ReturnCode.EXECUTION_EXCEPTION)
+        self._abort_signal = abort_signal
+        try:
+            if task_name == self.train_task_name:
+                return self._train(shareable, fl_ctx, abort_signal)
+            if task_name == self.validate_task_name:
+                return self._validate_task(shareable, fl_ctx)
+            if task_name == self.submit_model_task_name:
+                if self.local_weights is None:
+                    return make_reply(ReturnCode.EMPTY_RESULT)
+                return DXO(DataKind.WEIGHTS, data=self.local_weights).to_shareable()
+            return make_reply(ReturnCode.TASK_UNKNOWN)
+        except Exception as e:
+            self.log_exception(fl_ctx, f"site '{self.site}' failed on task '{task_name}': {e}")
+            return make_reply(ReturnCode.EXECUTION_EXCEPTION)
+
+    def _train(self, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
+        dxo = from_shareable(shareable)
+        round_num = int(shareable.get_header(AppConstants.CURRENT_ROUND, 0))
+        num_rounds = int(shareable.get_header(AppConstants.NUM_ROUNDS, 1))
+        load_state_numpy(self.model, dxo.data)
+        global_stats = dxo.get_meta_prop(GLOBAL_STATS) or {}
+        started = time.time()
+        val_metrics = self.evaluate(self.model)
+        for k, v in val_metrics.items():
+            self._add_scalar(f"val/{k}", v, round_num)
+        result = self.rule.train_round(self.model, RoundInput(round_num, num_rounds, global_stats))
+        if abort_signal.triggered:
+            return make_reply(ReturnCode.TASK_ABORTED)
+        self.local_weights = state_dict_numpy(self.model)
+        metrics = dict(result.metrics)
+        metrics["train_seconds"] = time.time() - started
+        for k, v in metrics.items():
+            if isinstance(v, (int, float, np.floating, np.integer)):
+                self._add_scalar(f"train/{k}", float(v), round_num)
+        self.log_info(fl_ctx, f"round {round_num + 1}/{num_rounds}: received model {self.key_metric}="
+                              f"{val_metrics.get(self.key_metric, float('nan')):.4f}; "
+                              + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))))
+        out = DXO(DataKind.WEIGHTS, data=self.local_weights)
+        out.set_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND, int(result.num_samples))
+        out.set_meta_prop(MetaKey.INITIAL_METRICS, val_metrics)
+        out.set_meta_prop(SITE_STATS, result.stats)
+        out.set_meta_prop(SITE_METRICS, metrics)
+        return out.to_shareable()
+
+    def _validate_task(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
+        dxo = from_shareable(shareable)
+        model = build_model_from_settings(self.settings).to(self.device)
+        load_state_numpy(model, dxo.data)
+        metrics = self.evaluate(model)
+        self.log_info(fl_ctx, f"validation of model from {shareable.get_header(AppConstants.MODEL_OWNER, '?')}: "
+                              f"{self.key_metric}={metrics.get(self.key_metric, float('nan')):.4f}")
+        return DXO(DataKind.METRICS, data=metrics).to_shareable()
+
+    def evaluate(self, model) -> dict:
+        """Metrics of ``model`` on this site's val split (complete labels)."""
+        from fedpartial.evaluation import evaluate_split
+
+        val = self.data.splits.get("val")
+        if val is None or len(val) == 0:
+            return {}
+        return evaluate_split(model, val, self.data.task, self.data.class_names, self.settings["normalisation"],
+                              self.device, flat=True)

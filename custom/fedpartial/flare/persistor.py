@@ -1,0 +1,106 @@
+"""Global model persistence in the self-describing fedpartial model format, and the model locator
+that cross-site evaluation uses to find the server's models."""
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Dict, List
+
+import torch
+from nvflare.apis.dxo import DXO, DataKind
+from nvflare.apis.event_type import EventType
+from nvflare.apis.fl_context import FLContext
+from nvflare.app_common.abstract.model import ModelLearnable, ModelLearnableKey, make_model_learnable
+from nvflare.app_common.abstract.model_locator import ModelLocator
+from nvflare.app_common.abstract.model_persistor import ModelPersistor
+from nvflare.app_common.app_constant import AppConstants
+from nvflare.app_common.app_event_type import AppEventType
+from nvflare.app_common.model_desc import ModelDescriptor
+
+from fedpartial.flare.common import GLOBAL_STATS, build_model_from_settings, model_file_meta, model_settings
+from fedpartial.training.common import state_dict_numpy
+
+GLOBAL_MODEL_FILE = "global_model.pt"
+BEST_MODEL_FILE = "best_global_model.pt"
+SERVER_MODELS = {"SRV_global_model": GLOBAL_MODEL_FILE, "SRV_best_global_model": BEST_MODEL_FILE}
+
+
+class FedPartialPersistor(ModelPersistor):
+    """Builds the initial global model (seeded) and saves every global model as a self-describing
+    file (architecture, arguments, class names, input size, normalisation, task, round, global
+    statistics) that ``python -m fedpartial evaluate`` reads with nothing else.
+
+    Args:
+        model: the job's model block (same as the executor's).
+        seed: seed of the initial weights.
+    """
+
+    def __init__(self, model: dict = None, seed: int = 0):
+        super().__init__()
+        self.settings = model_settings(model or {})
+        self.seed = int(seed)
+        torch.manual_seed(self.seed)
+        self.model = build_model_from_settings(self.settings)
+        self.run_dir = None
+
+    def _dir(self, fl_ctx: FLContext) -> str:
+        if self.run_dir is None:
+            self.run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
+            os.makedirs(self.run_dir, exist_ok=True)
+        return self.run_dir
+
+    def load_model(self, fl_ctx: FLContext) -> ModelLearnable:
+        return make_model_learnable(state_dict_numpy(self.model), {})
+
+    def save_model(self, learnable: ModelLearnable, fl_ctx: FLContext):
+        from fedpartial.models.io import save_weights_file
+
+        round_num = fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
+        meta = learnable.get(ModelLearnableKey.META) or {}
+        extra = {"round": None if round_num is None else int(round_num), "job_id": fl_ctx.get_job_id(),
+                 GLOBAL_STATS: meta.get(GLOBAL_STATS, {})}
+        save_weights_file(os.path.join(self._dir(fl_ctx), GLOBAL_MODEL_FILE), learnable[ModelLearnableKey.WEIGHTS],
+                          self.model.spec, model_file_meta(self.settings, **extra))
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext):
+        super().handle_event(event_type, fl_ctx)
+        if event_type == AppEventType.GLOBAL_BEST_MODEL_AVAILABLE:
+            # The selector judged the model sent out at the start of this round, which is the one
+            # last saved: copy that file.
+            src = os.path.join(self._dir(fl_ctx), GLOBAL_MODEL_FILE)
+            if os.path.isfile(src):
+                shutil.copyfile(src, os.path.join(self._dir(fl_ctx), BEST_MODEL_FILE))
+                self.log_info(fl_ctx, f"new best global model saved to {BEST_MODEL_FILE}")
+
+    def get_model_inventory(self, fl_ctx: FLContext) -> Dict[str, ModelDescriptor]:
+        return {name: ModelDescriptor(name=name, location=os.path.join(self._dir(fl_ctx), f), model_format="fedpartial",
+                                      props={}) for name, f in SERVER_MODELS.items()
+                if os.path.isfile(os.path.join(self._dir(fl_ctx), f))}
+
+    def get_model(self, model_file: str, fl_ctx: FLContext) -> ModelLearnable:
+        from fedpartial.models.io import load_model_file
+
+        model, _ = load_model_file(os.path.join(self._dir(fl_ctx), SERVER_MODELS.get(model_file, model_file)))
+        return make_model_learnable(state_dict_numpy(model), {})
+
+
+class FedPartialModelLocator(ModelLocator):
+    """Gives cross-site evaluation the server's final and best global models.
+
+    Args:
+        persistor_id: component id of the FedPartialPersistor.
+    """
+
+    def __init__(self, persistor_id: str = "persistor"):
+        super().__init__()
+        self.persistor_id = persistor_id
+
+    def _persistor(self, fl_ctx) -> FedPartialPersistor:
+        return fl_ctx.get_engine().get_component(self.persistor_id)
+
+    def get_model_names(self, fl_ctx: FLContext) -> List[str]:
+        return list(self._persistor(fl_ctx).get_model_inventory(fl_ctx).keys())
+
+    def locate_model(self, model_name, fl_ctx: FLContext) -> DXO:
+        learnable = self._persistor(fl_ctx).get_model(model_name, fl_ctx)
+        return DXO(DataKind.WEIGHTS, data=learnable[ModelLearnableKey.WEIGHTS])

@@ -1,0 +1,228 @@
+"""Turning a job folder of ``jobs/`` into a runnable one: config overrides (``--set``), the
+package carried in ``app/custom`` (bring-your-own-code, so POC and provisioned sites accept it),
+and the FLARE simulator run behind ``python -m fedpartial simulate``."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Sequence
+
+import fedpartial
+
+CONFIGS = {"server": "config_fed_server.json", "client": "config_fed_client.json"}
+RESULT_FILES = ("global_model.pt", "best_global_model.pt", "metrics.json")
+
+
+def parse_value(text: str):
+    """``--set`` values are JSON when they parse as JSON (numbers, lists, true), else strings."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _config_paths(job_dir: str) -> Dict[str, str]:
+    paths = {}
+    for side, name in CONFIGS.items():
+        found = glob.glob(os.path.join(job_dir, "*", "config", name))
+        if not found:
+            raise FileNotFoundError(f"job '{job_dir}' has no */config/{name}")
+        paths[side] = found[0]
+    return paths
+
+
+def _arg_dicts(config: dict) -> List[dict]:
+    """The top level plus every component / workflow / executor / filter ``args`` dict."""
+    out = [config]
+    for key in ("components", "workflows", "task_result_filters", "task_data_filters"):
+        for item in config.get(key, []):
+            if "args" in item:
+                out.append(item["args"])
+            for f in item.get("filters", []):
+                out.append(f.setdefault("args", {}))
+    for item in config.get("executors", []):
+        out.append(item["executor"].setdefault("args", {}))
+    return out
+
+
+def _set_path(target: dict, path: List[str], value, create: bool) -> bool:
+    node = target
+    for part in path[:-1]:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    if not isinstance(node, dict) or (path[-1] not in node and not create):
+        return False
+    node[path[-1]] = value
+    return True
+
+
+def apply_overrides(configs: Dict[str, dict], overrides: Sequence[str]) -> None:
+    """Apply ``key=value`` overrides to the loaded server / client configs in place.
+
+    ``a.b.c=v`` sets an existing setting ``a.b.c`` wherever it exists: a top-level variable
+    (``num_rounds``, ``model.arch``) or a component's argument (``rule_args.lr``). Prefix with
+    ``server.`` or ``client.`` to touch one side only; only then may the last key be new.
+    A key that matches nothing is an error (typos never pass silently).
+    """
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"--set '{item}' is not key=value")
+        key, raw = item.split("=", 1)
+        value = parse_value(raw)
+        path = key.split(".")
+        sides = list(configs)
+        create = False
+        if path[0] in configs:
+            sides, path, create = [path[0]], path[1:], True
+        hit = False
+        for side in sides:
+            for args in _arg_dicts(configs[side]):
+                if _set_path(args, path, value, create=False):
+                    hit = True
+            if not hit and create:
+                hit = _set_path(configs[side], path, value, create=True)
+        if not hit:
+            raise ValueError(f"--set '{key}': no such setting in the job's configs")
+
+
+def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_root: Optional[str] = None,
+                with_code: bool = True, name: Optional[str] = None) -> str:
+    """Copy ``job_dir`` to ``out_dir`` with overrides applied and the fedpartial package in
+    ``app/custom`` (bring-your-own-code). Returns ``out_dir``.
+
+    Args:
+        job_dir: a folder of ``jobs/``.
+        out_dir: where the runnable job goes (replaced if present).
+        overrides: ``key=value`` settings (see :func:`apply_overrides`).
+        data_root: sets the client's ``data_root`` (where each site finds ``<site>.npz``).
+        with_code: copy the package into the job (needed for POC / provisioned sites).
+        name: job name in meta.json (default: keep).
+    """
+    job_dir = os.path.abspath(job_dir)
+    if not os.path.isfile(os.path.join(job_dir, "meta.json")):
+        raise FileNotFoundError(f"'{job_dir}' is not a job folder (no meta.json)")
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    shutil.copytree(job_dir, out_dir, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    paths = _config_paths(out_dir)
+    configs = {side: json.load(open(p)) for side, p in paths.items()}
+    sets = list(overrides)
+    if data_root is not None:
+        sets.insert(0, f"client.data_root={json.dumps(os.path.abspath(data_root))}")
+    apply_overrides(configs, sets)
+    for side, p in paths.items():
+        with open(p, "w") as f:
+            json.dump(configs[side], f, indent=2)
+    meta_path = os.path.join(out_dir, "meta.json")
+    meta = json.load(open(meta_path))
+    if name:
+        meta["name"] = name
+    if "min_clients" in configs["server"]:
+        meta["min_clients"] = configs["server"]["min_clients"]
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, indent=2)
+    if with_code:
+        pkg = os.path.dirname(os.path.abspath(fedpartial.__file__))
+        for app in glob.glob(os.path.join(out_dir, "*", "config")):
+            shutil.copytree(pkg, os.path.join(os.path.dirname(app), "custom", "fedpartial"),
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return out_dir
+
+
+def site_names(data_root: str) -> List[str]:
+    """Sites = the ``site-*.npz`` files in ``data_root`` (reference copies live in a subfolder)."""
+    names = sorted((os.path.basename(p)[:-4] for p in glob.glob(os.path.join(data_root, "*.npz"))),
+                   key=lambda s: (len(s), s))
+    if not names:
+        raise FileNotFoundError(f"no site files (*.npz) in data root '{data_root}'; make them with "
+                                f"'python -m fedpartial split ... --out {data_root}'")
+    return names
+
+
+def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[str] = (), threads: int = 0,
+             timeout: Optional[float] = None, log=print) -> dict:
+    """Run a job in the FLARE simulator, one site per site file, and collect the results in
+    ``workspace``: ``global_model.pt``, ``best_global_model.pt``, ``metrics.json``,
+    ``cross_site_val.json``, ``tb/`` (TensorBoard events of the server and every site).
+
+    Args:
+        job_dir: a folder of ``jobs/``.
+        data_root: folder of site files (``site-1.npz`` ...).
+        workspace: output folder (created).
+        overrides: ``key=value`` settings.
+        threads: parallel client threads (0 = all sites at once).
+        timeout: seconds before the simulator is stopped.
+        log: progress printer.
+    """
+    data_root = os.path.abspath(data_root)
+    if not os.path.isdir(data_root):
+        raise FileNotFoundError(f"data root '{data_root}' does not exist")
+    sites = site_names(data_root)
+    workspace = os.path.abspath(workspace)
+    os.makedirs(workspace, exist_ok=True)
+    job = package_job(job_dir, os.path.join(workspace, "job"),
+                      [f"server.min_clients={len(sites)}", *overrides], data_root=data_root, with_code=False)
+    sim_ws = os.path.join(workspace, "simulator")
+    shutil.rmtree(sim_ws, ignore_errors=True)
+    cmd = [sys.executable, "-m", "nvflare.private.fed.app.simulator.simulator", job, "-w", sim_ws,
+           "-c", ",".join(sites), "-t", str(threads or len(sites))]
+    env = dict(os.environ)
+    env.setdefault("FEDPARTIAL_THREADS", "1" if len(sites) > 1 else "")
+    if not env["FEDPARTIAL_THREADS"]:
+        env.pop("FEDPARTIAL_THREADS")
+    env.setdefault("TMPDIR", workspace)
+    log(f"simulating {os.path.basename(job_dir.rstrip('/'))} with {len(sites)} sites: {', '.join(sites)}")
+    started = time.time()
+    with open(os.path.join(workspace, "simulator.log"), "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            raise RuntimeError(f"simulator exceeded {timeout} s; log: {workspace}/simulator.log")
+    return collect_results(sim_ws, workspace, rc, time.time() - started, log)
+
+
+def _server_run_dir(sim_ws: str) -> Optional[str]:
+    hits = glob.glob(os.path.join(sim_ws, "server", "*", "metrics.json")) or glob.glob(
+        os.path.join(sim_ws, "server", "*", "global_model.pt"))
+    return os.path.dirname(hits[0]) if hits else None
+
+
+def collect_results(sim_ws: str, workspace: str, rc: int, seconds: float, log=print) -> dict:
+    """Copy the server's results and every TensorBoard folder from a simulator workspace."""
+    run_dir = _server_run_dir(sim_ws)
+    errors = _log_errors(sim_ws)
+    if run_dir is None or not os.path.isfile(os.path.join(run_dir, "global_model.pt")):
+        raise RuntimeError(f"simulation failed (exit {rc}); no global model was written. "
+                           f"First errors:\n{errors or '(none logged)'}\nlog: {workspace}/simulator.log")
+    for name in RESULT_FILES:
+        src = os.path.join(run_dir, name)
+        if os.path.isfile(src):
+            shutil.copyfile(src, os.path.join(workspace, name))
+    cross = glob.glob(os.path.join(run_dir, "cross_site_val", "cross_val_results.json"))
+    if cross:
+        shutil.copyfile(cross[0], os.path.join(workspace, "cross_site_val.json"))
+    tb_out = os.path.join(workspace, "tb")
+    shutil.rmtree(tb_out, ignore_errors=True)
+    for tb in glob.glob(os.path.join(sim_ws, "*", "*", "tb")):
+        shutil.copytree(tb, tb_out, dirs_exist_ok=True)
+    summary = {"exit_code": rc, "seconds": round(seconds, 1), "workspace": workspace, "errors": errors}
+    log(f"simulation finished in {seconds:.0f} s (exit {rc}); results in {workspace}")
+    return summary
+
+
+def _log_errors(sim_ws: str, limit: int = 5) -> str:
+    lines = []
+    for path in sorted(glob.glob(os.path.join(sim_ws, "**", "log.txt"), recursive=True)):
+        with open(path, errors="replace") as f:
+            lines += [ln.rstrip() for ln in f if " ERROR " in ln or "Traceback" in ln]
+    return "\n".join(lines[:limit])

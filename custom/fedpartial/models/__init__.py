@@ -1,0 +1,8 @@
+"""Models: ``build_model(arch, num_classes, in_channels, **arch_args) -> FedModel`` and
+self-describing model files (``save_model_file`` / ``save_weights_file`` / ``load_model_file``)."""
+from fedpartial.models.io import (FORMAT, ModelFileError, load_model_file, read_model_file, save_model_file,
+                                  save_weights_file)
+from fedpartial.models.networks import ARCHS, CLASSIFICATION, SEGMENTATION, FedModel, build_model
+
+__all__ = ["ARCHS", "CLASSIFICATION", "SEGMENTATION", "FORMAT", "FedModel", "ModelFileError", "build_model",
+           "load_model_file", "read_model_file", "save_model_file", "save_weights_file"]

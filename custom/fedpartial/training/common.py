@@ -1,0 +1,188 @@
+"""Shared training mechanics: device, seeds, image tensors, batches, EMA, masked losses,
+prediction. Every method reuses these; none keeps its own copy."""
+from __future__ import annotations
+
+import copy
+import random
+from typing import Callable, Dict, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def select_device(name: str = "auto") -> torch.device:
+    """``auto`` picks CUDA when present, else CPU. Several sites may share one GPU.
+
+    Args:
+        name: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+    """
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device '{name}' requested in the job config but no CUDA device is available")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch so a round is repeatable.
+
+    Args:
+        seed: integer seed.
+    """
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def images_to_tensor(images: np.ndarray, mean: float = 0.5, std: float = 0.5) -> torch.Tensor:
+    """uint8 ``(N,H,W)`` / ``(N,H,W,3)`` -> float ``(N,C,H,W)`` scaled to [0,1] then normalised.
+
+    Args:
+        images: uint8 image array.
+        mean: subtracted after scaling to [0, 1].
+        std: divided by after subtracting the mean.
+    """
+    x = torch.from_numpy(np.ascontiguousarray(images))
+    x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
+    return (x.float().div_(255.0) - mean) / std
+
+
+def batch_indices(n: int, batch_size: int, rng: np.random.Generator, shuffle: bool = True,
+                  drop_last: bool = False) -> Iterator[np.ndarray]:
+    """Yield index arrays covering ``range(n)`` once (one epoch).
+
+    Args:
+        n: number of samples.
+        batch_size: samples per batch.
+        rng: numpy generator (seeded per round for repeatability).
+        shuffle: permute before batching.
+        drop_last: skip a final batch smaller than ``batch_size`` (kept when it is the only one).
+    """
+    order = rng.permutation(n) if shuffle else np.arange(n)
+    for start in range(0, n, batch_size):
+        idx = order[start:start + batch_size]
+        if drop_last and len(idx) < batch_size and start > 0:
+            break
+        yield idx
+
+
+def iteration_batches(n: int, batch_size: int, iterations: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
+    """Yield exactly ``iterations`` shuffled batches, re-shuffling at each epoch boundary
+    (used by methods that count local iterations rather than epochs)."""
+    done = 0
+    while done < iterations:
+        for idx in batch_indices(n, batch_size, rng, shuffle=True, drop_last=n > batch_size):
+            yield idx
+            done += 1
+            if done >= iterations:
+                return
+
+
+class EMATeacher:
+    """Exponential-moving-average copy of a student model (parameters averaged, buffers copied).
+
+    Args:
+        student: the model being trained.
+        decay: EMA decay (0.999 in FedLSM, 0.99 in FedIRM).
+    """
+
+    def __init__(self, student: torch.nn.Module, decay: float):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1), got {decay}")
+        self.decay = decay
+        self.model = copy.deepcopy(student)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    @torch.no_grad()
+    def update(self, student: torch.nn.Module) -> None:
+        for t, s in zip(self.model.parameters(), student.parameters()):
+            t.mul_(self.decay).add_(s.detach(), alpha=1.0 - self.decay)
+        for t, s in zip(self.model.buffers(), student.buffers()):
+            t.copy_(s)
+
+
+def masked_bce_with_logits(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                           pos_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mean binary cross-entropy over the entries where ``mask`` is 1 (0 when none).
+
+    Args:
+        logits: ``(N, C)``.
+        targets: ``(N, C)`` in [0, 1].
+        mask: ``(N, C)`` 0/1 (or weights).
+        pos_weight: optional ``(C,)`` weight of positives (class-weighted BCE).
+    """
+    loss = F.binary_cross_entropy_with_logits(logits, targets, reduction="none", pos_weight=pos_weight)
+    mask = mask.to(loss.dtype)
+    denom = mask.sum()
+    return (loss * mask).sum() / denom.clamp_min(1.0)
+
+
+def masked_cross_entropy(logits: torch.Tensor, target_index: torch.Tensor, class_mask: Optional[torch.Tensor] = None,
+                         sample_weight: Optional[torch.Tensor] = None, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Softmax cross-entropy, optionally restricted to the classes where ``class_mask`` is 1
+    (the others get -inf logits: the partial-class loss for single-label data).
+
+    Args:
+        logits: ``(N, C)``.
+        target_index: ``(N,)`` class indices.
+        class_mask: optional ``(N, C)`` or ``(C,)`` 0/1 of the classes the softmax runs over.
+        sample_weight: optional ``(N,)`` weights (0 drops a sample); mean over weighted samples.
+        label_smoothing: as in ``torch.nn.functional.cross_entropy``.
+    """
+    if logits.shape[0] == 0:
+        return logits.sum() * 0.0
+    if class_mask is not None:
+        logits = logits.masked_fill(class_mask.expand_as(logits) < 0.5, float("-inf"))
+    loss = F.cross_entropy(logits, target_index, reduction="none", label_smoothing=label_smoothing)
+    if sample_weight is None:
+        return loss.mean()
+    loss = torch.where(sample_weight > 0, loss, torch.zeros_like(loss))
+    return (loss * sample_weight).sum() / sample_weight.sum().clamp_min(1e-8)
+
+
+@torch.no_grad()
+def predict(model: torch.nn.Module, images: torch.Tensor, device: torch.device, batch_size: int = 256,
+            view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, with_features: bool = False):
+    """Run ``model`` in eval mode over ``images`` (``(N,C,H,W)`` CPU tensor); returns logits
+    (and features) as CPU tensors."""
+    was_training = model.training
+    model.eval()
+    logits, feats = [], []
+    for start in range(0, images.shape[0], batch_size):
+        x = images[start:start + batch_size]
+        if view is not None:
+            x = view(x)
+        f, z = model(x.to(device, non_blocking=True))
+        logits.append(z.float().cpu())
+        if with_features:
+            feats.append(f.float().cpu())
+    model.train(was_training)
+    out = torch.cat(logits) if logits else torch.empty(0)
+    if with_features:
+        return out, (torch.cat(feats) if feats else torch.empty(0))
+    return out
+
+
+def probabilities(logits: torch.Tensor, task: str) -> torch.Tensor:
+    """Softmax for single-label, sigmoid otherwise."""
+    return torch.softmax(logits, dim=1) if task == "single-label" else torch.sigmoid(logits)
+
+
+def state_dict_numpy(model: torch.nn.Module) -> Dict[str, np.ndarray]:
+    """Model weights (parameters and buffers) as numpy arrays for the wire."""
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+def load_state_numpy(model: torch.nn.Module, weights: Dict[str, np.ndarray]) -> None:
+    """Load numpy weights into ``model``; raises naming the first missing / misshapen key."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in weights]
+    if missing:
+        raise ValueError(f"global model lacks parameter '{missing[0]}' (and {len(missing) - 1} more)")
+    for k, v in own.items():
+        if tuple(np.shape(weights[k])) != tuple(v.shape):
+            raise ValueError(f"parameter '{k}' has shape {np.shape(weights[k])}, the model expects {tuple(v.shape)}")
+    model.load_state_dict({k: torch.as_tensor(np.asarray(weights[k])).to(v.dtype) for k, v in own.items()})

@@ -1,0 +1,72 @@
+"""FedAvg baselines: weighted averaging and the three loss modes, on hand-worked numbers."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedpartial.algorithms.base import SiteUpdate
+from fedpartial.algorithms.fedavg import fedavg_weights, labelled_rows, supervised_loss
+
+
+def test_fedavg_weights_by_sample_count():
+    # site a: 1 sample, w=0 ; site b: 3 samples, w=4  -> (1*0 + 3*4)/4 = 3
+    a = SiteUpdate("a", {"w": np.array([0.0, 2.0], np.float32), "n": np.array(1, np.int64)}, 1)
+    b = SiteUpdate("b", {"w": np.array([4.0, 6.0], np.float32), "n": np.array(5, np.int64)}, 3)
+    out = fedavg_weights([a, b])
+    np.testing.assert_allclose(out["w"], [3.0, 5.0])
+    assert out["w"].dtype == np.float32
+    # integer buffer: (1*1 + 3*5)/4 = 4, stays integer
+    assert out["n"] == 4 and np.issubdtype(out["n"].dtype, np.integer)
+
+
+def test_fedavg_skips_sites_without_samples_and_refuses_none():
+    a = SiteUpdate("a", {"w": np.array([1.0])}, 2)
+    unlabelled = SiteUpdate("u", {"w": np.array([100.0])}, 0)
+    np.testing.assert_allclose(fedavg_weights([a, unlabelled])["w"], [1.0])
+    with pytest.raises(ValueError, match="u"):
+        fedavg_weights([unlabelled])
+
+
+def test_labelled_rows_single_and_multi():
+    labels = np.array([[1, 0, 0], [0, 0, 0], [0, 1, 0]], np.float32)
+    mask = np.array([[1, 1, 0], [1, 1, 0], [0, 0, 0]], np.float32)
+    # single-label: row 0 has an annotated positive; row 1 is "none of my classes"; row 2 unannotated
+    assert labelled_rows(labels, mask, "single-label").tolist() == [0]
+    # multi-label: any annotated entry counts
+    assert labelled_rows(labels, mask, "multi-label").tolist() == [0, 1]
+
+
+def test_multilabel_partial_loss_ignores_missing_entries():
+    logits = torch.zeros(1, 3)  # sigmoid = 0.5 -> BCE = ln 2 for any target
+    labels = torch.tensor([[1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 0.0, 0.0]])
+    # changing the logit of an unannotated class must not move the partial loss
+    logits2 = torch.tensor([[0.0, 5.0, -5.0]])
+    assert math.isclose(float(supervised_loss(logits, labels, mask, "multi-label", "partial")), math.log(2), rel_tol=1e-6)
+    assert math.isclose(float(supervised_loss(logits2, labels, mask, "multi-label", "partial")), math.log(2), rel_tol=1e-6)
+    # missing-negative counts them: BCE(5, 0) = 5 + ln(1+e^-5); BCE(-5, 0) = ln(1+e^-5)
+    expected = (math.log(2) + 5 + 2 * math.log1p(math.exp(-5))) / 3
+    assert math.isclose(float(supervised_loss(logits2, labels, mask, "multi-label", "missing-negative")), expected,
+                        rel_tol=1e-5)
+
+
+def test_single_label_partial_softmax_over_annotated_classes():
+    logits = torch.tensor([[2.0, 0.0, 5.0]])
+    labels = torch.tensor([[1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # site annotates classes 0 and 1
+    # partial: softmax over {0,1}: -log(e^2/(e^2+1))
+    partial = float(supervised_loss(logits, labels, mask, "single-label", "partial"))
+    assert math.isclose(partial, -math.log(math.exp(2) / (math.exp(2) + 1)), rel_tol=1e-6)
+    # missing-negative: softmax over all three classes
+    full = float(supervised_loss(logits, labels, mask, "single-label", "missing-negative"))
+    assert math.isclose(full, -math.log(math.exp(2) / (math.exp(2) + 1 + math.exp(5))), rel_tol=1e-6)
+
+
+def test_single_label_unlabelled_sample_contributes_nothing():
+    logits = torch.tensor([[2.0, 0.0, 5.0], [9.0, -9.0, 0.0]])
+    labels = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.ones(2, 3)
+    one = float(supervised_loss(logits[:1], labels[:1], mask[:1], "single-label", "missing-negative"))
+    both = float(supervised_loss(logits, labels, mask, "single-label", "missing-negative"))
+    assert math.isclose(one, both, rel_tol=1e-6)

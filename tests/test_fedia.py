@@ -1,0 +1,388 @@
+"""FedIA and the shared Dice-loss segmentation pieces: numbers worked out by hand in comments."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext, SiteUpdate
+from fedpartial.algorithms.fedia import (MASKS_FILE, STATE_FILE, FedIAClient, FedIAServer, completeness_aware_weights,
+                                         correct_masks, correction_triggered, count_lesions, estimate_completeness,
+                                         fit_iou_trend)
+from fedpartial.algorithms.segmentation import (SegmentationSupervisedClient, binary_masks, iou_score,
+                                                train_dice_epoch)
+from fedpartial.data.types import DataError, Dataset, Split
+
+torch.set_num_threads(1)
+
+
+# ----------------------------------------------------------------------------- fixtures
+def lesion_masks():
+    """Two 8x8 images. Complete masks: 2x2 lesions at rows/cols 1-2 and 5-6 in both images.
+    The site annotates only the first lesion of each image (completeness 2/4 = 0.5)."""
+    full = np.zeros((2, 8, 8), dtype=np.uint8)
+    full[:, 1:3, 1:3] = 1
+    full[:, 5:7, 5:7] = 1
+    site = np.zeros_like(full)
+    site[:, 1:3, 1:3] = 1
+    return site, full
+
+
+def make_ctx(tmp_path, masks, reference=None, site="site-1"):
+    images = (masks * 200 + 20).astype(np.uint8)
+    data = Dataset(task="segmentation", class_names=["lesion"], splits={"train": Split(images, masks.copy())},
+                   source="test.npz", site=site)
+    ref = None
+    if reference is not None:
+        ref = Dataset(task="segmentation", class_names=["lesion"], splits={"train": Split(images, reference)},
+                      source="ref.npz", site=site)
+    return ClientContext(site=site, data=data, device=torch.device("cpu"), state_dir=str(tmp_path / "state"),
+                         seed=3, reference=ref, log=lambda m: None)
+
+
+class FixedMapModel(nn.Module):
+    """Predicts the same logit map for every image (logits = map * scale); ``scale`` is trainable."""
+
+    def __init__(self, logit_map: np.ndarray):
+        super().__init__()
+        self.register_buffer("logit_map", torch.as_tensor(logit_map, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        logits = (self.logit_map * self.scale).expand(x.shape[0], 1, *self.logit_map.shape)
+        return logits, logits
+
+
+def predicted_map():
+    """Logit +3 (sigmoid 0.953 > 0.8) on both true lesions and on a false 1x2 strip at row 0,
+    cols 6-7; -3 elsewhere. Per image: 3 predicted lesions."""
+    m = np.full((8, 8), -3.0, dtype=np.float32)
+    m[1:3, 1:3] = 3.0
+    m[5:7, 5:7] = 3.0
+    m[0, 6:8] = 3.0
+    return m
+
+
+def scripted(client, ious, loss=0.4):
+    """Replace real training by scripted IoU values (round -> IoU); records the masks trained on."""
+    client.seen_masks = {}
+
+    def fake_train_on(model, masks, round_index):
+        client.seen_masks[round_index] = masks.copy()
+        return loss, ious[round_index], 1
+
+    client.train_on = fake_train_on
+    return client
+
+
+def run_round(client, model, r, num_rounds=10):
+    return client.train_round(model, RoundInput(round=r, num_rounds=num_rounds))
+
+
+# ----------------------------------------------------------------------------- lesion counting
+def test_count_lesions_touching_diagonal_and_empty():
+    img = np.zeros((3, 6, 6), dtype=np.uint8)
+    # image 0: two 2x2 squares sharing an edge (cols 0-1 and 2-3) -> one lesion under both rules
+    img[0, 0:2, 0:2] = 1
+    img[0, 0:2, 2:4] = 1
+    # image 1: two pixels touching only at a corner -> 1 lesion (8-conn), 2 lesions (4-conn);
+    # plus an isolated pixel -> totals 2 (8-conn) and 3 (4-conn)
+    img[1, 0, 0] = 1
+    img[1, 1, 1] = 1
+    img[1, 4, 4] = 1
+    # image 2 empty -> 0
+    assert count_lesions(img, 8).tolist() == [1, 2, 0]
+    assert count_lesions(img, 4).tolist() == [1, 3, 0]
+    assert count_lesions(np.zeros((5, 5)), 8).tolist() == [0]
+    with pytest.raises(ValueError, match="connectivity"):
+        count_lesions(img, 6)
+
+
+def test_count_lesions_is_per_image_not_per_volume():
+    # The same square in two stacked images: 3D labelling of the stack would give 1 lesion;
+    # per-2D-image counting gives 1 + 1 = 2.
+    stack = np.zeros((2, 5, 5), dtype=np.uint8)
+    stack[:, 1:3, 1:3] = 1
+    assert count_lesions(stack).tolist() == [1, 1]
+    assert int(count_lesions(stack).sum()) == 2
+
+
+def test_estimate_completeness():
+    site, _ = lesion_masks()
+    predicted = 1 / (1 + np.exp(-predicted_map())) > 0.5
+    predicted = np.repeat(predicted[None], 2, axis=0)
+    # annotated 1 + 1 = 2 lesions; predicted 3 + 3 = 6 -> 2 / 6 = 0.3333
+    a, n_annotated, n_predicted = estimate_completeness(site, predicted)
+    assert (n_annotated, n_predicted) == (2, 6)
+    assert a == pytest.approx(1 / 3)
+    # an under-segmenting model (only 1 of the 2 images predicted, 1 lesion) -> 2 / 1 = 2.0 (> 1)
+    under = np.zeros_like(site)
+    under[0, 1:3, 1:3] = 1
+    assert estimate_completeness(site, under)[0] == pytest.approx(2.0)
+    # no predicted lesion: undefined
+    assert estimate_completeness(site, np.zeros_like(site)) == (None, 2, 0)
+
+
+# ----------------------------------------------------------------------------- trend + trigger
+def test_fit_iou_trend_hand_numbers():
+    # exact line: t=1,2,3 and IoU 0.1,0.2,0.3 -> slope 0.1, intercept 0
+    slope, intercept = fit_iou_trend([1, 2, 3], [0.1, 0.2, 0.3])
+    assert slope == pytest.approx(0.1) and intercept == pytest.approx(0.0, abs=1e-12)
+    # t=1..4, IoU (0.1, 0.3, 0.2, 0.4): mean t 2.5, mean IoU 0.25,
+    # Sxy = (-1.5)(-0.15)+(-0.5)(0.05)+(0.5)(-0.05)+(1.5)(0.15) = 0.4, Sxx = 5 -> slope 0.08,
+    # intercept 0.25 - 0.08 * 2.5 = 0.05
+    slope, intercept = fit_iou_trend([1, 2, 3, 4], [0.1, 0.3, 0.2, 0.4])
+    assert slope == pytest.approx(0.08) and intercept == pytest.approx(0.05)
+    # fitted at t=5: 0.45. Actual 0.41 -> gap 0.04 > 0.03: correct. Actual 0.425 -> 0.025: no.
+    assert correction_triggered(slope, intercept, 5, 0.41, 0.03)
+    assert not correction_triggered(slope, intercept, 5, 0.425, 0.03)
+    assert not correction_triggered(slope, intercept, 5, 0.50, 0.03)  # above the trend
+    with pytest.raises(ValueError, match=">= 2"):
+        fit_iou_trend([1], [0.5])
+
+
+# ----------------------------------------------------------------------------- correction rule
+def test_correct_masks_only_flips_zero_to_one():
+    masks = np.array([[[1, 0], [0, 0]]], dtype=np.uint8)
+    prob = np.array([[[0.1, 0.9], [0.8, 0.85]]])
+    new, changed = correct_masks(masks, prob, 0.8)
+    # (0,0) labelled 1 with prob 0.1 stays 1 (never 1 -> 0); (0,1) 0.9 > 0.8 -> 1;
+    # (1,0) 0.8 is not > 0.8 -> stays 0; (1,1) 0.85 -> 1. Two pixels changed.
+    assert new.tolist() == [[[1, 1], [0, 1]]]
+    assert changed == 2
+    assert masks.tolist() == [[[1, 0], [0, 0]]]  # input untouched
+    all_low = correct_masks(np.ones((1, 2, 2), np.uint8), np.zeros((1, 2, 2)), 0.8)
+    assert all_low[0].tolist() == [[[1, 1], [1, 1]]] and all_low[1] == 0
+
+
+# ----------------------------------------------------------------------------- softmax weights
+def test_completeness_aware_weights():
+    # a/l = (1, 2): softmax = (e / (e + e^2), e^2 / (e + e^2)) = (0.2689, 0.7311)
+    w = completeness_aware_weights([0.5, 1.0], [0.5, 0.5])
+    assert w == pytest.approx([0.26894142, 0.73105858])
+    # equal a/l -> equal weights; a zero loss is floored, no inf / NaN
+    assert completeness_aware_weights([0.3, 0.6], [0.2, 0.4]) == pytest.approx([0.5, 0.5])
+    w0 = completeness_aware_weights([1.0, 1.0], [0.0, 0.5])
+    assert np.isfinite(w0).all() and w0 == pytest.approx([1.0, 0.0])
+
+
+# ----------------------------------------------------------------------------- server
+def update(site, value, n, a=1.0, loss=0.5, ready=1, corrected=0, iou=0.5):
+    return SiteUpdate(site=site, weights={"w": np.array([value], np.float32), "steps": np.array([2 * n], np.int64)},
+                      num_samples=n, stats={"mean_loss": loss, "iou": iou, "completeness": a,
+                                            "completeness_ready": ready, "corrected": corrected})
+
+
+def sctx(r):
+    return ServerContext(round=r, num_rounds=10, classifier_param_names=[], log=lambda m: None)
+
+
+def test_server_weights_by_stage():
+    server = FedIAServer(warmup_rounds=2)
+    ups = [update("site-1", 0.0, 1, a=0.5), update("site-2", 1.0, 3, a=1.0)]
+    # warm-up round 1: size weights 1/4, 3/4 -> 0.75
+    w, g = server.aggregate(ups, sctx(1))
+    assert w["w"][0] == pytest.approx(0.75) and g == {"completeness_aware": 0}
+    # round 2: softmax(0.5/0.5, 1.0/0.5) = (0.2689, 0.7311) -> 0.7311 regardless of sizes
+    w, g = server.aggregate(ups, sctx(2))
+    assert w["w"][0] == pytest.approx(0.7310586, abs=1e-6) and g == {"completeness_aware": 1}
+    assert w["steps"].dtype == np.int64  # integer buffers keep their dtype
+    # ablation: switch off -> size weights
+    w, _ = FedIAServer(warmup_rounds=2, use_completeness_weighting=False).aggregate(ups, sctx(5))
+    assert w["w"][0] == pytest.approx(0.75)
+    # one site not ready -> size weights this round
+    late = [ups[0], update("site-2", 1.0, 3, ready=0)]
+    assert server.aggregate(late, sctx(3))[0]["w"][0] == pytest.approx(0.75)
+    # every site corrected -> last stage is FedAvg again (unless the switch says otherwise)
+    done = [update("site-1", 0.0, 1, a=0.5, corrected=1), update("site-2", 1.0, 3, corrected=1)]
+    assert server.aggregate(done, sctx(4))[0]["w"][0] == pytest.approx(0.75)
+    keep = FedIAServer(warmup_rounds=2, fedavg_after_all_corrected=False)
+    assert keep.aggregate(done, sctx(4))[0]["w"][0] == pytest.approx(0.7310586, abs=1e-6)
+    # a site with 0 samples takes no part
+    zero = ups + [update("site-3", 100.0, 0)]
+    assert server.aggregate(zero, sctx(2))[0]["w"][0] == pytest.approx(0.7310586, abs=1e-6)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("mean_loss", float("nan"), "'mean_loss' is not finite"),
+    ("completeness", 0.0, r"'completeness' must be in \(0, inf\)"),
+    ("completeness", float("inf"), "'completeness' is not finite"),
+    ("iou", 1.5, "'iou' must be in"),
+    ("completeness_ready", 0.5, "'completeness_ready' must be 0 or 1"),
+    ("mean_loss", np.array([0.1, 0.2]), "'mean_loss' must be one number"),
+])
+def test_server_check_stats_rejects(key, value, match):
+    u = update("site-1", 0.0, 1)
+    u.stats[key] = value
+    with pytest.raises(ValueError, match=match):
+        FedIAServer().check_stats(u, sctx(0))
+    FedIAServer().check_stats(update("site-1", 0.0, 1, a=1.7), sctx(0))  # a_k > 1 is accepted (not clipped)
+    missing = update("site-1", 0.0, 1)
+    del missing.stats["iou"]
+    with pytest.raises(ValueError, match="'iou' is missing"):
+        FedIAServer().check_stats(missing, sctx(0))
+
+
+# ----------------------------------------------------------------------------- client state machine
+def test_client_estimates_triggers_corrects_once_and_survives_restart(tmp_path):
+    site, full = lesion_masks()
+    ctx = make_ctx(tmp_path, site, reference=full)
+    model = FixedMapModel(predicted_map())
+    # warm-up IoU 0.1, 0.2 at t=1,2 -> trend slope 0.1, intercept 0; t=3 fitted 0.3, actual 0.25
+    # -> gap 0.05 > 0.03: trigger at round 2, correct at the start of round 3.
+    ious = {0: 0.1, 1: 0.2, 2: 0.25, 3: 0.1, 4: 0.1}
+    client = scripted(FedIAClient(warmup_rounds=2), ious)
+    client.setup(ctx)
+    out0 = run_round(client, model, 0)
+    assert out0.stats == {"mean_loss": 0.4, "iou": 0.1, "completeness": 1.0, "completeness_ready": 0, "corrected": 0}
+    assert out0.num_samples == 2
+    run_round(client, model, 1)
+    out2 = run_round(client, model, 2)
+    # completeness with the received model: 2 annotated / 6 predicted lesions = 1/3
+    assert out2.stats["completeness_ready"] == 1 and out2.stats["completeness"] == pytest.approx(1 / 3)
+    assert out2.metrics["iou_trend"] == pytest.approx(0.3)
+    assert out2.metrics["correction_triggered"] == 1 and out2.stats["corrected"] == 0
+    assert out2.metrics["true_completeness"] == pytest.approx(0.5)  # 2 of 4 lesions kept
+    assert client.state["trend"] == pytest.approx([0.1, 0.0])
+
+    out3 = run_round(client, model, 3)
+    # prob 0.953 > 0.8 on the missing lesion (4 px per image) and the false strip (2 px per image):
+    # 2 * (4 + 2) = 12 pixels corrected, 8 of them truly lesion -> precision 8 / 12; all 8 missing
+    # lesion pixels recovered -> recall 1.0. The model trained on the corrected masks this round.
+    assert out3.metrics["corrected_pixels"] == 12 and out3.stats["corrected"] == 1
+    assert out3.metrics["corrected_precision"] == pytest.approx(8 / 12)
+    assert out3.metrics["corrected_recall_missing"] == pytest.approx(1.0)
+    assert int(client.seen_masks[3].sum()) == int(site.sum()) + 12
+    assert (client.seen_masks[3] >= site).all()  # never 1 -> 0
+    assert np.array_equal(ctx.data.splits["train"].labels, site)  # the site data is untouched
+    assert os.path.exists(tmp_path / "state" / MASKS_FILE)
+    # correct once: IoU 0.1 far below the trend at round 3 does not trigger again
+    assert "iou_trend" not in out3.metrics and out3.metrics["correction_triggered"] == 0
+
+    # site restart: a fresh rule with the same state_dir gets everything back
+    again = scripted(FedIAClient(warmup_rounds=2), ious)
+    again.setup(make_ctx(tmp_path, site, reference=full))
+    assert again.state["completeness"] == pytest.approx(1 / 3)
+    assert again.state["iou_history"] == {"0": 0.1, "1": 0.2, "2": 0.25, "3": 0.1}
+    assert again.state["corrected"] and again.state["correction_rounds"] == [3]
+    assert np.array_equal(again.masks, client.masks)
+    out4 = run_round(again, model, 4)
+    assert out4.metrics["corrected_pixels"] == 0 and out4.stats["corrected"] == 1
+    assert out4.stats["completeness"] == pytest.approx(1 / 3)
+    assert np.array_equal(again.seen_masks[4], client.masks)
+    saved = json.loads((tmp_path / "state" / STATE_FILE).read_text())
+    assert saved["mask_shape"] == [2, 8, 8]
+
+
+def test_client_correct_repeatedly_and_switch_off(tmp_path):
+    site, _ = lesion_masks()
+    model = FixedMapModel(predicted_map())
+    ious = {0: 0.1, 1: 0.2, 2: 0.25, 3: 0.1, 4: 0.1}
+    repeat = scripted(FedIAClient(warmup_rounds=2, correct_repeatedly=True), ious)
+    repeat.setup(make_ctx(tmp_path / "a", site))
+    outs = [run_round(repeat, model, r) for r in range(5)]
+    # trigger at rounds 2 and 3 (0.1 < 0.4 - 0.03), corrections at rounds 3 and 4; the second finds
+    # nothing new to flip (already 1). No reference -> no precision metric.
+    assert [o.metrics["correction_triggered"] for o in outs] == [0, 0, 1, 1, 1]
+    assert repeat.state["correction_rounds"] == [3, 4]
+    assert outs[3].metrics["corrected_pixels"] == 12 and outs[4].metrics["corrected_pixels"] == 0
+    assert "corrected_precision" not in outs[3].metrics
+
+    off = scripted(FedIAClient(warmup_rounds=2, use_correction=False), ious)
+    off.setup(make_ctx(tmp_path / "b", site))
+    outs = [run_round(off, model, r) for r in range(5)]
+    assert all(o.metrics["corrected_pixels"] == 0 and o.stats["corrected"] == 0 for o in outs)
+    assert outs[4].stats["completeness"] == pytest.approx(1 / 3)  # still estimated (for the server)
+
+
+def test_client_completeness_cap_and_no_prediction(tmp_path):
+    site, _ = lesion_masks()
+    ious = {0: 0.1, 1: 0.2, 2: 0.3}
+    # a model predicting nothing: completeness undefined -> 1.0, still "ready"
+    blank = scripted(FedIAClient(warmup_rounds=2), ious)
+    blank.setup(make_ctx(tmp_path / "a", site))
+    empty_model = FixedMapModel(np.full((8, 8), -5.0, np.float32))
+    out = [run_round(blank, empty_model, r) for r in range(3)][-1]
+    assert out.stats["completeness"] == 1.0 and out.stats["completeness_ready"] == 1
+    # an under-segmenting model: 1 predicted lesion per image, 2 annotated (the complete masks)
+    # -> 4 / 2 = 2.0, clipped to the cap 0.9
+    _, full = lesion_masks()
+    one = np.full((8, 8), -3.0, np.float32)
+    one[1:3, 1:3] = 3.0
+    capped = scripted(FedIAClient(warmup_rounds=2, completeness_cap=0.9), ious)
+    capped.setup(make_ctx(tmp_path / "b", full))
+    out = [run_round(capped, FixedMapModel(one), r) for r in range(3)][-1]
+    assert capped.state["annotated_lesions"] == 4 and capped.state["predicted_lesions"] == 2
+    assert out.stats["completeness"] == pytest.approx(0.9)
+    # no annotated lesion at all: 0 / 2 -> raised to the floor 1e-3 (stays in (0, inf))
+    floor = scripted(FedIAClient(warmup_rounds=2), ious)
+    floor.setup(make_ctx(tmp_path / "c", site * 0))
+    out = [run_round(floor, FixedMapModel(one), r) for r in range(3)][-1]
+    assert out.stats["completeness"] == pytest.approx(1e-3)
+
+
+def test_client_rejects_stale_state_and_bad_data(tmp_path):
+    site, _ = lesion_masks()
+    client = scripted(FedIAClient(warmup_rounds=2), {0: 0.1})
+    client.setup(make_ctx(tmp_path, site))
+    run_round(client, FixedMapModel(predicted_map()), 0)
+    bigger = np.zeros((3, 8, 8), np.uint8)
+    with pytest.raises(DataError, match="site-1.*shape"):
+        FedIAClient(warmup_rounds=2).setup(make_ctx(tmp_path, bigger))
+    with pytest.raises(ValueError, match="warmup_rounds"):
+        FedIAClient(warmup_rounds=1)
+    ctx = make_ctx(tmp_path / "c", site)
+    ctx.data.task = "multi-label"
+    with pytest.raises(DataError, match="segmentation"):
+        binary_masks(ctx)
+
+
+# ----------------------------------------------------------------------------- shared segmentation pieces
+def test_iou_score():
+    pred = np.array([[1, 1], [0, 0]])
+    target = np.array([[1, 0], [1, 0]])
+    assert iou_score(pred, target) == pytest.approx(1 / 3)  # I = 1, U = 3
+    assert iou_score(np.zeros((2, 2)), np.zeros((2, 2))) == 1.0
+    assert iou_score(np.ones((2, 2)), np.zeros((2, 2))) == 0.0
+
+
+def test_train_dice_epoch_weights_batches_by_size():
+    # 5 images, batch 2 -> batches of 2, 2, 1. Loss of a batch = its mean foreground fraction.
+    # Only image 0 is foreground (fraction 1): the per-image mean is 1/5 = 0.2 whatever the
+    # shuffle; an unweighted mean of batch losses would be 1/6 or 1/3.
+    masks = np.zeros((5, 4, 4), np.uint8)
+    masks[0] = 1
+    model = FixedMapModel(np.zeros((4, 4), np.float32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    loss_fn = lambda logits, y: logits.mean() * 0 + y.mean()  # noqa: E731
+    mean_loss, steps = train_dice_epoch(model, torch.zeros(5, 1, 4, 4), masks, opt, loss_fn, torch.device("cpu"),
+                                        2, np.random.default_rng(0))
+    assert steps == 3 and mean_loss == pytest.approx(0.2)
+
+
+def test_segmentation_client_trains_tiny_unet(tmp_path):
+    from fedpartial.models import build_model
+
+    rng = np.random.default_rng(0)
+    masks = np.zeros((6, 16, 16), np.uint8)
+    for i in range(6):
+        r, c = rng.integers(2, 10, size=2)
+        masks[i, r:r + 4, c:c + 4] = 1
+    torch.manual_seed(0)
+    model = build_model("unet", num_classes=1, in_channels=1, channels=(4, 8), strides=(2,), num_res_units=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    client = SegmentationSupervisedClient(lr=1e-2, batch_size=4)
+    client.setup(make_ctx(tmp_path, masks))
+    out = client.train_round(model, RoundInput(round=0, num_rounds=1))
+    assert out.num_samples == 6 and out.metrics["train_steps"] == 2  # batches of 4 and 2
+    assert 0.0 < out.metrics["train_loss"] < 1.0 and 0.0 <= out.metrics["train_iou"] <= 1.0
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # FedIA's client runs the same real training path
+    fedia = FedIAClient(warmup_rounds=2, lr=1e-2)
+    fedia.setup(make_ctx(tmp_path / "f", masks))
+    stats = fedia.train_round(model, RoundInput(round=0, num_rounds=3)).stats
+    assert np.isfinite(stats["mean_loss"]) and stats["completeness_ready"] == 0

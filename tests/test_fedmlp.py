@@ -1,0 +1,363 @@
+"""Unit tests of FedMLP: hand-worked numbers for every helper, the server rule, and the client's
+stage switch and persistent tags on a tiny model."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext, SiteUpdate
+from fedpartial.algorithms.fedmlp import (FedMLPClient, FedMLPServer, average_prototypes, class_prototypes,
+                                          consistency_loss, global_learning_degree, learning_degree, logit_adjustment,
+                                          positive_rates, prototype_scores, select_tags, wpc_loss)
+from fedpartial.data.types import DataError, Dataset, Split
+from fedpartial.models import build_model
+from fedpartial.training.common import predict
+
+
+# ---------------------------------------------------------------------------------------------
+# logit adjustment and WPC
+# ---------------------------------------------------------------------------------------------
+
+def test_positive_rates_over_used_entries_only():
+    targets = torch.tensor([[1., 0., 0.], [0., 0., 0.], [1., 1., 0.], [0., 0., 0.]])
+    mask = torch.tensor([[1., 0., 0.], [1., 0., 0.], [1., 1., 0.], [1., 0., 0.]])
+    # class 0: 2 positives of 4 annotated = 0.5; class 1: 1 of 1 = 1.0; class 2: no entry -> 0.5
+    assert positive_rates(targets, mask).tolist() == [0.5, 1.0, 0.5]
+
+
+def test_logit_adjustment_matches_eq3():
+    # pi1 = 0.2: offset = log(0.2 / 0.8) = log(0.25) = -1.386294
+    off = logit_adjustment(torch.tensor([0.2, 0.5, 1.0]), tau=1.0, eps=1e-3)
+    assert off[0].item() == pytest.approx(-1.386294, abs=1e-5)
+    assert off[1].item() == pytest.approx(0.0, abs=1e-7)  # balanced class: no adjustment
+    assert off[2].item() == pytest.approx(math.log(0.999 / 0.001), abs=1e-4)  # clipped to 1 - eps: 6.9068
+    # Eq. 3 in probability form at z = 0: p = 0.5, p' = 0.5*0.2 / (0.5*0.2 + 0.5*0.8) = 0.2
+    assert torch.sigmoid(torch.tensor(0.0) + off[0]).item() == pytest.approx(0.2, abs=1e-6)
+    # tau scales the offset (Eq. 2): tau = 2 -> 2 * log(0.25)
+    assert logit_adjustment(torch.tensor([0.2]), tau=2.0)[0].item() == pytest.approx(-2.772589, abs=1e-5)
+
+
+def test_wpc_ignores_missing_classes():
+    logits = torch.tensor([[0.0, 100.0]], requires_grad=True)
+    targets = torch.tensor([[1.0, 0.0]])
+    mask = torch.tensor([[1.0, 0.0]])  # class 1 is missing (its 0 label is not a negative)
+    loss = wpc_loss(logits, targets, mask)
+    assert loss.item() == pytest.approx(math.log(2.0), abs=1e-6)  # -log(sigmoid(0)) = 0.693147
+    loss.backward()
+    assert logits.grad[0, 1].item() == 0.0  # no gradient reaches the missing class
+    assert logits.grad[0, 0].item() == pytest.approx(-0.5, abs=1e-6)  # sigmoid(0) - 1
+    # with pi1 = 0.2 on class 0: -log(sigmoid(0 + log 0.25)) = -log(0.2) = 1.609438
+    offset = logit_adjustment(torch.tensor([0.2, 0.5]))
+    assert wpc_loss(logits, targets, mask, offset).item() == pytest.approx(1.609438, abs=1e-5)
+
+
+def test_consistency_loss_on_masked_entries():
+    student = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
+    teacher = torch.tensor([[math.log(3.0), 0.0], [0.0, 50.0]])  # probs 0.75 and ~1
+    mask = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    # only entry (0,0): (0.5 - 0.75)^2 = 0.0625
+    assert consistency_loss(student, teacher, mask).item() == pytest.approx(0.0625, abs=1e-6)
+    assert consistency_loss(student, teacher, torch.zeros(2, 2)).item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# prototypes, learning degree, Z, tagging
+# ---------------------------------------------------------------------------------------------
+
+def test_class_prototypes_of_known_batch():
+    feats = np.array([[1., 0.], [3., 0.], [0., 2.], [0., 4.]])
+    labels = np.array([[1, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 0]], dtype=np.float32)
+    mask = np.array([[1, 1, 0], [1, 1, 0], [1, 1, 0], [1, 0, 0]], dtype=bool)
+    p_neg, p_pos, n_neg, n_pos = class_prototypes(feats, labels, mask)
+    # class 0: positives rows 0,1 -> (2,0); negatives rows 2,3 -> (0,3)
+    np.testing.assert_allclose(p_pos[0], [2., 0.])
+    np.testing.assert_allclose(p_neg[0], [0., 3.])
+    # class 1 (row 3 not annotated): positive row 2 -> (0,2); negatives rows 0,1 -> (2,0)
+    np.testing.assert_allclose(p_pos[1], [0., 2.])
+    np.testing.assert_allclose(p_neg[1], [2., 0.])
+    # class 2 annotated nowhere: zero rows, zero counts
+    np.testing.assert_allclose(p_pos[2], [0., 0.])
+    np.testing.assert_allclose(n_neg, [2., 2., 0.])
+    np.testing.assert_allclose(n_pos, [2., 1., 0.])
+
+
+def test_learning_degree():
+    probs = np.array([[0.1, 0.9], [0.5, 0.9], [0.8, 0.9], [0.3, 0.9]])
+    # class 0: 0.1 < L and 0.8 > R count; 0.5 and 0.3 (not < 0.3) do not -> 2/4
+    # class 1: not annotated -> 0 even though all are confident
+    np.testing.assert_allclose(learning_degree(probs, np.array([True, False]), 0.3, 0.7), [0.5, 0.0])
+
+
+def test_prototype_scores():
+    feats = torch.tensor([[1., 0.], [0., 1.], [1., 1.], [2., 1.], [1., 3.]])
+    z = prototype_scores(feats, torch.tensor([[1., 0.]]), torch.tensor([[0., 5.]]))  # P1 length does not matter
+    # Z = cos(f,P0) - cos(f,P1): 1-0, 0-1, 0.7071-0.7071, 2/sqrt5 - 1/sqrt5, 1/sqrt10 - 3/sqrt10
+    np.testing.assert_allclose(z[:, 0].numpy(), [1.0, -1.0, 0.0, 0.447214, -0.632456], atol=1e-5)
+
+
+def test_rank_based_tagging_and_residuals():
+    z = torch.tensor([0.9, 0.5, 0.0, 0.1, -0.2, -0.8, -0.5, 0.3, 0.7, -0.1, 0.95]).unsqueeze(1)
+    candidate = torch.ones_like(z, dtype=torch.bool)
+    candidate[10, 0] = False  # e.g. annotated or already tagged: never re-ranked
+    # Z >= 0 among candidates: 0.9,0.5,0.0,0.1,0.3,0.7 (6) -> floor(0.5*6) = 3 largest: idx 0, 8, 1
+    # Z <  0: -0.2,-0.8,-0.5,-0.1 (4) -> floor(0.5*4) = 2 smallest: idx 5, 6
+    neg, pos = select_tags(z, candidate, [0.5], [0.5])
+    assert torch.nonzero(neg[:, 0]).flatten().tolist() == [0, 1, 8]
+    assert torch.nonzero(pos[:, 0]).flatten().tolist() == [5, 6]
+    # next round ranks only the residual: Z>=0 left 0.0,0.1,0.3 -> floor(0.4*3)=1: idx 7 (0.3)
+    # Z<0 left -0.2,-0.1 -> floor(0.4*2) = 0: none
+    candidate2 = candidate & ~neg & ~pos
+    neg2, pos2 = select_tags(z, candidate2, [0.4], [0.4])
+    assert torch.nonzero(neg2[:, 0]).flatten().tolist() == [7]
+    assert pos2.sum().item() == 0
+    # paper default T0 = 0.5 %: floor(0.005 * 6) = 0 -> nothing on a tiny site
+    assert select_tags(z, candidate, [0.005], [0.01])[0].sum().item() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# server
+# ---------------------------------------------------------------------------------------------
+
+def _site_stats(p_neg, p_pos, n_neg, n_pos, degree, annotated):
+    return {"prototypes_neg": np.array(p_neg, dtype=np.float32), "prototypes_pos": np.array(p_pos, dtype=np.float32),
+            "prototype_counts_neg": np.array(n_neg, dtype=np.float64),
+            "prototype_counts_pos": np.array(n_pos, dtype=np.float64),
+            "learning_degree": np.array(degree, dtype=np.float64), "annotated": np.array(annotated, dtype=bool)}
+
+
+def _three_sites():
+    z = [0., 0.]
+    # site A (10 samples) annotates class 0; B (30) classes 0 and 1; C (20) class 1 from 1 positive only
+    a = SiteUpdate("site-A", {"w": np.array([1.0])}, 10, _site_stats(
+        [[1, 0], z, z], [[0, 1], z, z], [5, 0, 0], [5, 0, 0], [0.8, 0, 0], [1, 0, 0]))
+    b = SiteUpdate("site-B", {"w": np.array([2.0])}, 30, _site_stats(
+        [[3, 0], [1, 1], z], [[0, 3], [0, 2], z], [9, 9, 0], [9, 5, 0], [0.4, 0.6, 0], [1, 1, 0]))
+    c = SiteUpdate("site-C", {"w": np.array([4.0])}, 20, _site_stats(
+        [z, [3, 3], z], [z, [0, 8], z], [0, 7, 0], [0, 1, 0], [0, 0.9, 0], [0, 1, 0]))
+    return [a, b, c]
+
+
+def _server_ctx(c=3, d=2):
+    return ServerContext(round=5, num_rounds=10, classifier_param_names=["fc.weight", "fc.bias"],
+                         global_weights={"fc.weight": np.zeros((c, d)), "fc.bias": np.zeros(c)}, log=lambda m: None)
+
+
+def test_global_prototypes_only_from_annotating_sites():
+    updates = _three_sites()
+    weights, gs = FedMLPServer(t0=0.005, t1=0.01, min_prototype_samples=1).aggregate(updates, _server_ctx())
+    assert weights["w"][0] == pytest.approx((10 * 1 + 30 * 2 + 20 * 4) / 60)  # FedAvg: 2.5
+    # class 0 negatives: A (1,0) w10 and B (3,0) w30 -> (10 + 90)/40 = 2.5; C's zero row is not averaged in
+    np.testing.assert_allclose(gs["prototypes_neg"][0], [2.5, 0.0])
+    # class 1 positives: B (0,2) w30, C (0,8) w20 -> (60 + 160)/50 = 4.4
+    np.testing.assert_allclose(gs["prototypes_pos"][1], [0.0, 4.4], rtol=1e-6)
+    # class 1 negatives: B (1,1) w30, C (3,3) w20 -> (30+60)/50 = 1.8
+    np.testing.assert_allclose(gs["prototypes_neg"][1], [1.8, 1.8], rtol=1e-6)
+    # class 2 annotated nowhere: invalid, zero rows, no NaN
+    assert gs["prototype_valid"].tolist() == [True, True, False]
+    np.testing.assert_array_equal(gs["prototypes_pos"][2], [0.0, 0.0])
+    # d^G: class 0 (10*0.8 + 30*0.4)/40 = 0.5 ; class 1 (30*0.6 + 20*0.9)/50 = 0.72 ; class 2: 0
+    np.testing.assert_allclose(gs["learning_degree"], [0.5, 0.72, 0.0])
+    np.testing.assert_allclose(gs["tau0"], [0.0025, 0.0036, 0.0])
+    np.testing.assert_allclose(gs["tau1"], [0.005, 0.0072, 0.0])
+    assert gs["stage"] == 2 and gs["t0"] == 0.005 and gs["t1"] == 0.01
+    for v in gs.values():
+        assert np.isfinite(np.asarray(v, dtype=np.float64)).all()
+
+
+def test_min_prototype_samples_drops_small_prototypes():
+    updates = _three_sites()
+    _, gs = FedMLPServer(min_prototype_samples=2).aggregate(updates, _server_ctx())
+    # C's class-1 positive prototype comes from 1 sample -> absent: B alone -> (0, 2)
+    np.testing.assert_allclose(gs["prototypes_pos"][1], [0.0, 2.0])
+    # with min 6: class 0 positives from A (5) dropped -> B (0,3); class 1 positives: B 5, C 1 -> none valid
+    _, gs = FedMLPServer(min_prototype_samples=6).aggregate(updates, _server_ctx())
+    np.testing.assert_allclose(gs["prototypes_pos"][0], [0.0, 3.0])
+    assert gs["prototype_valid"].tolist() == [True, False, False]
+
+
+def test_average_helpers_directly():
+    protos, valid = average_prototypes([np.array([[2.0]]), np.array([[4.0]])], [np.array([1.0]), np.array([1.0])],
+                                       [np.array([True]), np.array([True])], [1.0, 3.0])
+    assert protos[0, 0] == pytest.approx(3.5) and valid.tolist() == [True]  # (2 + 12) / 4
+    d = global_learning_degree([np.array([0.2]), np.array([1.0])], [np.array([False]), np.array([True])], [5, 5])
+    assert d.tolist() == [1.0]
+
+
+def test_server_warmup_rounds_and_check_stats():
+    server = FedMLPServer()
+    ctx = _server_ctx()
+    plain = [SiteUpdate("site-1", {"w": np.array([1.0])}, 5), SiteUpdate("site-2", {"w": np.array([3.0])}, 15)]
+    for u in plain:
+        server.check_stats(u, ctx)  # warm-up: no stats is fine
+    weights, gs = server.aggregate(plain, ctx)
+    assert weights["w"][0] == pytest.approx(2.5) and gs["stage"] == 1 and "prototypes_neg" not in gs
+
+    good = _three_sites()[0]
+    server.check_stats(good, ctx)
+    bad = SiteUpdate("site-X", good.weights, 10, dict(good.stats))
+    bad.stats["learning_degree"] = np.array([0.5, np.nan, 0.0])
+    with pytest.raises(ValueError, match="learning_degree.*site-X"):
+        server.check_stats(bad, ctx)
+    bad.stats = dict(good.stats, prototypes_pos=np.zeros((3, 4), dtype=np.float32))  # D=4, model says 2
+    with pytest.raises(ValueError, match="prototypes_pos"):
+        server.check_stats(bad, ctx)
+    bad.stats = dict(good.stats, prototype_counts_neg=np.zeros(2))
+    with pytest.raises(ValueError, match="prototype_counts_neg"):
+        server.check_stats(bad, ctx)
+    bad.stats = {k: v for k, v in good.stats.items() if k != "annotated"}
+    with pytest.raises(ValueError, match="annotated"):
+        server.check_stats(bad, ctx)
+    bad.stats = dict(good.stats, prototypes_neg=np.full((3, 2), np.inf, dtype=np.float32))
+    with pytest.raises(ValueError, match="prototypes_neg"):
+        server.check_stats(bad, ctx)
+
+
+# ---------------------------------------------------------------------------------------------
+# client: stage switch, stats, persistent tags
+# ---------------------------------------------------------------------------------------------
+
+N, C = 40, 3
+
+
+def _site_data(annotated=(0,)):
+    rng = np.random.default_rng(0)
+    labels = (rng.random((N, C)) < 0.4).astype(np.float32)
+    images = rng.integers(0, 60, size=(N, 8, 8), dtype=np.uint8)
+    images[labels[:, 1] > 0, :4, :] += 150  # make class 1 visible
+    mask = np.zeros((N, C), dtype=bool)
+    mask[:, list(annotated)] = True
+    site_labels = labels * mask
+    data = Dataset("multi-label", ["a", "b", "c"], {"train": Split(images, site_labels, mask)}, source="mem",
+                   site="site-1")
+    reference = Dataset("multi-label", ["a", "b", "c"], {"train": Split(images, labels, np.ones_like(mask))})
+    return data, reference
+
+
+def _ctx(tmp_path, data, reference=None):
+    return ClientContext(site="site-1", data=data, device=torch.device("cpu"), state_dir=str(tmp_path / "state"),
+                         seed=3, log=lambda m: None, reference=reference)
+
+
+def _model():
+    torch.manual_seed(0)
+    return build_model("small_cnn", C, 1, width=4, depth=1)
+
+
+def _client(**kw):
+    args = dict(warmup_rounds=2, lr=1e-3, batch_size=16, num_views=2)
+    args.update(kw)
+    return FedMLPClient(**args)
+
+
+def _handmade_global_stats(model, client):
+    """Global stats whose prototypes are the site's own class-0 prototypes for every class."""
+    stats = client.local_stats(model)
+    p_neg = np.repeat(stats["prototypes_neg"][:1], C, axis=0)
+    p_pos = np.repeat(stats["prototypes_pos"][:1], C, axis=0)
+    return {"stage": 2, "prototypes_neg": p_neg, "prototypes_pos": p_pos, "prototype_valid": np.ones(C, bool),
+            "learning_degree": np.ones(C), "tau0": np.full(C, 0.5), "tau1": np.full(C, 0.5), "t0": 0.25, "t1": 0.25}
+
+
+def test_stage_switch_at_warmup_rounds(tmp_path):
+    data, _ = _site_data()
+    client = _client(warmup_rounds=2)
+    client.setup(_ctx(tmp_path, data))
+    model = _model()
+    r0 = client.train_round(model, RoundInput(round=0, num_rounds=4))
+    assert r0.metrics["stage"] == 1 and r0.stats == {} and r0.num_samples == N
+    assert r0.metrics["loss_cr"] == 0.0 and r0.metrics["train_steps"] == 2  # 40 samples, batch 16, drop last
+    r1 = client.train_round(model, RoundInput(round=1, num_rounds=4))
+    # last warm-up round: still stage 1 but stats are sent (Algorithm 1, t = t1)
+    assert r1.metrics["stage"] == 1 and set(r1.stats) == {"prototypes_neg", "prototypes_pos", "prototype_counts_neg",
+                                                          "prototype_counts_pos", "learning_degree", "annotated"}
+    assert r1.stats["annotated"].tolist() == [True, False, False]
+    assert r1.stats["prototype_counts_neg"][1:].tolist() == [0, 0] and r1.stats["learning_degree"][1:].tolist() == [0, 0]
+    assert r1.stats["prototype_counts_neg"][0] + r1.stats["prototype_counts_pos"][0] == N
+    FedMLPServer().check_stats(SiteUpdate("site-1", {}, N, r1.stats), ServerContext(1, 4, ["fc.weight", "fc.bias"]))
+    gs = _handmade_global_stats(model, client)
+    r2 = client.train_round(model, RoundInput(round=2, num_rounds=4, global_stats=gs))
+    assert r2.metrics["stage"] == 2 and r2.metrics["loss_cr"] > 0.0  # untagged missing entries are regularised
+
+
+def test_tags_persist_across_restart(tmp_path):
+    data, reference = _site_data()
+    ctx = _ctx(tmp_path, data, reference)
+    client = _client(warmup_rounds=1)
+    client.setup(ctx)
+    model = _model()
+    gs = _handmade_global_stats(model, client)
+    # expected tags from the received model's features: per missing class floor(0.5 * #Z>=0) + floor(0.5 * #Z<0)
+    _, feats = predict(model, client.images, torch.device("cpu"), with_features=True)
+    z = prototype_scores(feats, torch.as_tensor(gs["prototypes_neg"]), torch.as_tensor(gs["prototypes_pos"]))
+    n_nonneg = int((z[:, 1] >= 0).sum())
+    r1 = client.train_round(model, RoundInput(round=1, num_rounds=3, global_stats=gs))
+    assert r1.metrics["tags_new_neg_c1"] == n_nonneg // 2
+    assert r1.metrics["tags_new_pos_c1"] == (N - n_nonneg) // 2
+    assert "tags_new_neg_c0" not in r1.metrics  # class 0 is annotated: never tagged
+    assert (client.tags[:, 0] == -1).all()
+    assert r1.metrics["tags_total_neg"] + r1.metrics["tags_total_pos"] == (client.tags >= 0).sum()
+    assert 0.0 <= r1.metrics["tag_precision_neg"] <= 1.0 and 0.0 <= r1.metrics["tag_recall_pos"] <= 1.0
+    saved = client.tags.copy()
+
+    restarted = _client(warmup_rounds=1)
+    restarted.setup(_ctx(tmp_path, data))
+    np.testing.assert_array_equal(restarted.tags, saved)
+    assert restarted.last_tag_round == 1
+    # the same round re-run after the restart draws no new tags
+    again = restarted.train_round(_model(), RoundInput(round=1, num_rounds=3, global_stats=gs))
+    assert again.metrics["tags_new_neg_c1"] == 0 and again.metrics["tags_new_pos_c1"] == 0
+    assert "tag_precision_neg" not in again.metrics  # no reference given: no diagnostics
+    # a later round adds tags and keeps the old ones (permanent)
+    restarted.train_round(_model(), RoundInput(round=2, num_rounds=3, global_stats=gs))
+    kept = saved >= 0
+    np.testing.assert_array_equal(restarted.tags[kept], saved[kept])
+    assert (restarted.tags >= 0).sum() > kept.sum()
+
+
+def test_tag_diagnostics_hand_worked(tmp_path):
+    data, reference = _site_data()
+    client = _client()
+    client.setup(_ctx(tmp_path, data, reference))
+    true = reference.splits["train"].labels
+    client.tags[:] = -1
+    pos_rows = np.flatnonzero(true[:, 1] > 0.5)[:3]
+    neg_rows = np.flatnonzero(true[:, 1] < 0.5)[:2]
+    client.tags[pos_rows, 1] = 1      # 3 right positives
+    client.tags[neg_rows[0], 1] = 1   # 1 wrong positive
+    client.tags[neg_rows[1], 1] = 0   # 1 right negative
+    q = client._tag_quality()
+    assert q["tag_precision_pos"] == pytest.approx(3 / 4)
+    assert q["tag_recall_pos"] == pytest.approx(3 / float((true[:, 1:] > 0.5).sum()))
+    assert q["tag_precision_neg"] == pytest.approx(1.0)
+
+
+def test_fixed_threshold_and_switches(tmp_path):
+    data, _ = _site_data()
+    client = _client(warmup_rounds=1, use_adaptive_threshold=False, use_cr=False, use_wpc=False)
+    client.setup(_ctx(tmp_path, data))
+    model = _model()
+    gs = _handmade_global_stats(model, client)  # tau 0.5 would be used if adaptive; fixed t0 = t1 = 0.25
+    _, feats = predict(model, client.images, torch.device("cpu"), with_features=True)
+    z = prototype_scores(feats, torch.as_tensor(gs["prototypes_neg"]), torch.as_tensor(gs["prototypes_pos"]))
+    n_nonneg = int((z[:, 2] >= 0).sum())
+    r = client.train_round(model, RoundInput(round=1, num_rounds=2, global_stats=gs))
+    assert r.metrics["tags_new_neg_c2"] == int(0.25 * n_nonneg)
+    assert r.metrics["tags_new_pos_c2"] == int(0.25 * (N - n_nonneg))
+    assert r.metrics["loss_cr"] == 0.0
+
+
+def test_client_rejects_wrong_data_and_foreign_tags(tmp_path):
+    data, _ = _site_data()
+    single = Dataset("single-label", ["a", "b", "c"], data.splits, source="x.npz", site="site-1")
+    with pytest.raises(DataError, match="multi-label"):
+        _client().setup(_ctx(tmp_path, single))
+    client = _client(warmup_rounds=1)
+    client.setup(_ctx(tmp_path, data))
+    model = _model()
+    client.train_round(model, RoundInput(round=1, num_rounds=2, global_stats=_handmade_global_stats(model, client)))
+    other, _ = _site_data(annotated=(1,))
+    with pytest.raises(DataError, match="fedmlp_tags.npz"):
+        _client().setup(_ctx(tmp_path, other))
+    with pytest.raises(ValueError, match="warmup_rounds"):
+        FedMLPClient(warmup_rounds=0)

@@ -1,0 +1,113 @@
+"""The FLARE adapters without a running system: the aggregator on a bare FLContext (as NVFlare's own
+aggregator tests do), update checks, and job-config overrides."""
+import json
+import os
+from unittest import mock
+
+import numpy as np
+import pytest
+from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
+from nvflare.apis.fl_constant import ReservedKey, ReturnCode
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable
+from nvflare.app_common.abstract.model import make_model_learnable
+from nvflare.app_common.app_constant import AppConstants
+
+from fedpartial.flare.aggregators import RuleAggregator, check_weights
+from fedpartial.flare.common import GLOBAL_STATS, SITE_STATS
+from fedpartial.jobtools import apply_overrides
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ctx(tmp_path, round_num=0, global_weights=None):
+    fl_ctx = FLContext()
+    fl_ctx.set_prop(AppConstants.CURRENT_ROUND, round_num, private=True, sticky=False)
+    fl_ctx.set_prop(AppConstants.NUM_ROUNDS, 3, private=True, sticky=False)
+    fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(global_weights or {}, {}), private=True,
+                    sticky=False)
+    engine = mock.MagicMock()
+    engine.get_workspace.return_value.get_run_dir.return_value = str(tmp_path)
+    engine.get_component.return_value = None
+    fl_ctx.set_prop("__engine__", engine, private=True, sticky=False)
+    return fl_ctx
+
+
+def _update(site, w, n, stats=None, round_num=0):
+    dxo = DXO(DataKind.WEIGHTS, data={"w": np.asarray(w, np.float32)})
+    dxo.set_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND, n)
+    dxo.set_meta_prop(SITE_STATS, stats or {})
+    s = dxo.to_shareable()
+    s.set_peer_props({ReservedKey.IDENTITY_NAME: site})
+    s.add_cookie(AppConstants.CONTRIBUTION_ROUND, round_num)
+    return s
+
+
+@pytest.fixture
+def aggregator():
+    agg = RuleAggregator()
+    with mock.patch.object(FLContext, "get_engine", lambda self: self.get_prop("__engine__")):
+        yield agg
+
+
+def test_aggregator_weighted_average_and_metrics_file(aggregator, tmp_path):
+    ctx = _ctx(tmp_path, global_weights={"w": np.zeros(2, np.float32)})
+    assert aggregator.accept(_update("site-1", [0, 2], 1), ctx)
+    assert aggregator.accept(_update("site-2", [4, 6], 3), ctx)
+    out = from_shareable(aggregator.aggregate(ctx))
+    np.testing.assert_allclose(out.data["w"], [3.0, 5.0])  # (1*[0,2] + 3*[4,6]) / 4
+    assert out.get_meta_prop(GLOBAL_STATS) == {}
+    history = json.load(open(tmp_path / "metrics.json"))["rounds"]
+    assert history[0]["sites"]["site-2"]["num_samples"] == 3
+
+
+@pytest.mark.parametrize("bad, why", [
+    ([np.nan, 1.0], "NaN"),
+    ([1.0, 2.0, 3.0], "shape"),
+])
+def test_aggregator_rejects_bad_update_and_keeps_the_rest(aggregator, tmp_path, bad, why):
+    ctx = _ctx(tmp_path, global_weights={"w": np.zeros(2, np.float32)})
+    assert aggregator.accept(_update("site-1", [1, 1], 2), ctx)
+    assert not aggregator.accept(_update("site-bad", bad, 2), ctx)
+    assert why in aggregator.rejected["site-bad"]
+    np.testing.assert_allclose(from_shareable(aggregator.aggregate(ctx)).data["w"], [1.0, 1.0])
+
+
+def test_aggregator_rejects_wrong_round_duplicates_and_errors(aggregator, tmp_path):
+    ctx = _ctx(tmp_path, round_num=2, global_weights={"w": np.zeros(2, np.float32)})
+    assert not aggregator.accept(_update("site-1", [1, 1], 2, round_num=1), ctx)
+    assert "round 1" in aggregator.rejected["site-1"]
+    assert aggregator.accept(_update("site-2", [1, 1], 2, round_num=2), ctx)
+    assert not aggregator.accept(_update("site-2", [1, 1], 2, round_num=2), ctx)
+    err = Shareable()
+    err.set_return_code(ReturnCode.EXECUTION_EXCEPTION)
+    err.set_peer_props({ReservedKey.IDENTITY_NAME: "site-3"})
+    assert not aggregator.accept(err, ctx)
+
+
+def test_round_with_too_few_valid_updates_fails_clearly(aggregator, tmp_path):
+    ctx = _ctx(tmp_path, global_weights={"w": np.zeros(2, np.float32)})
+    aggregator.accept(_update("site-1", [np.inf, 0], 2), ctx)
+    with pytest.raises(RuntimeError, match="only 0 valid update.*site-1"):
+        aggregator.aggregate(ctx)
+
+
+def test_check_weights_names_the_key():
+    ref = {"a": np.zeros(2), "b": np.zeros(1)}
+    with pytest.raises(ValueError, match="'b'"):
+        check_weights({"a": np.zeros(2)}, ref)
+    with pytest.raises(ValueError, match="unexpected parameter 'c'"):
+        check_weights({"a": np.zeros(2), "b": np.zeros(1), "c": np.zeros(1)}, ref)
+
+
+def test_overrides_touch_existing_settings_only():
+    server = json.load(open(os.path.join(REPO, "jobs/fedavg/app/config/config_fed_server.json")))
+    client = json.load(open(os.path.join(REPO, "jobs/fedavg/app/config/config_fed_client.json")))
+    configs = {"server": server, "client": client}
+    apply_overrides(configs, ["num_rounds=3", "rule_args.lr=0.01", "model.arch=resnet18", "client.data_root=/d"])
+    assert server["num_rounds"] == 3
+    assert client["executors"][0]["executor"]["args"]["rule_args"]["lr"] == 0.01
+    assert server["model"]["arch"] == client["model"]["arch"] == "resnet18"
+    assert client["data_root"] == "/d"
+    with pytest.raises(ValueError, match="rule_args.lrr"):
+        apply_overrides(configs, ["rule_args.lrr=1"])
