@@ -326,3 +326,18 @@ def test_first_round_uses_local_pos_weight_then_global(tmp_path):
     assert local[1].item() == 1.0
     given = rule._pos_weight({"pos_weight": np.array([2.0, 3.0, 4.0])})
     assert given.tolist() == [2.0, 3.0, 4.0]
+
+
+def test_local_epochs_sets_the_step_count(tmp_path):
+    from fedpartial.models import build_model
+
+    images, labels, mask = _synthetic_site()
+    rule = FedLSMClient(batch_size=16, local_epochs=1.5, use_ue=False, use_ude=False, strong_view="flip")
+    rule.setup(_client_ctx(tmp_path, "single-label", images, labels, mask))
+    result = rule.train_round(build_model("small_cnn", num_classes=3, in_channels=3, width=4, depth=2),
+                              RoundInput(round=0, num_rounds=1))
+    # pool = all 48 samples, 16 per step: ceil(1.5 * 48 / 16) = ceil(4.5) = 5 steps, every sample seen
+    assert result.metrics["train_steps"] == 5
+    assert result.metrics["samples_seen"] == 48
+    with pytest.raises(ValueError, match="local_epochs"):
+        FedLSMClient(local_epochs=1.0, local_iterations=5)

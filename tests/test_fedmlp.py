@@ -272,12 +272,14 @@ def test_stage_switch_at_warmup_rounds(tmp_path):
     assert r1.metrics["stage"] == 1 and set(r1.stats) == {"prototypes_neg", "prototypes_pos", "prototype_counts_neg",
                                                           "prototype_counts_pos", "learning_degree", "annotated"}
     assert r1.stats["annotated"].tolist() == [True, False, False]
-    assert r1.stats["prototype_counts_neg"][1:].tolist() == [0, 0] and r1.stats["learning_degree"][1:].tolist() == [0, 0]
+    assert r1.stats["prototype_counts_neg"][1:].tolist() == [0, 0]
+    assert r1.stats["learning_degree"][1:].tolist() == [0, 0]
     assert r1.stats["prototype_counts_neg"][0] + r1.stats["prototype_counts_pos"][0] == N
     FedMLPServer().check_stats(SiteUpdate("site-1", {}, N, r1.stats), ServerContext(1, 4, ["fc.weight", "fc.bias"]))
     gs = _handmade_global_stats(model, client)
     r2 = client.train_round(model, RoundInput(round=2, num_rounds=4, global_stats=gs))
     assert r2.metrics["stage"] == 2 and r2.metrics["loss_cr"] > 0.0  # untagged missing entries are regularised
+    assert r2.metrics["global_prototypes_valid"] == C
 
 
 def test_tags_persist_across_restart(tmp_path):

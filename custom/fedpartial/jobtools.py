@@ -167,8 +167,10 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
     sites = site_names(data_root)
     workspace = os.path.abspath(workspace)
     os.makedirs(workspace, exist_ok=True)
+    # The code travels in the job even here: NVFlare 2.9's simulator enforces the component
+    # allow-list too, and a job that passes here then runs unchanged in POC.
     job = package_job(job_dir, os.path.join(workspace, "job"),
-                      [f"server.min_clients={len(sites)}", *overrides], data_root=data_root, with_code=False)
+                      [f"server.min_clients={len(sites)}", *overrides], data_root=data_root, with_code=True)
     sim_ws = os.path.join(workspace, "simulator")
     shutil.rmtree(sim_ws, ignore_errors=True)
     cmd = [sys.executable, "-m", "nvflare.private.fed.app.simulator.simulator", job, "-w", sim_ws,

@@ -43,7 +43,7 @@ from scipy import ndimage
 
 from fedpartial.algorithms.base import ClientContext, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
 from fedpartial.algorithms.fedavg import fedavg_weights
-from fedpartial.algorithms.segmentation import SegmentationSupervisedClient, binary_masks
+from fedpartial.algorithms.segmentation import SegmentationSupervisedClient
 from fedpartial.data.types import DataError
 
 STATE_FILE = "fedia_state.json"
@@ -403,7 +403,8 @@ class FedIAServer(ServerRule):
                 raise ValueError(f"site '{update.site}': FedIA stat '{key}' is missing")
             value = np.asarray(stats[key], dtype=np.float64)
             if value.size != 1:
-                raise ValueError(f"site '{update.site}': FedIA stat '{key}' must be one number, got shape {value.shape}")
+                raise ValueError(f"site '{update.site}': FedIA stat '{key}' must be one number, "
+                                 f"got shape {value.shape}")
             if not np.isfinite(value).all():
                 raise ValueError(f"site '{update.site}': FedIA stat '{key}' is not finite ({float(value)})")
         if float(stats["mean_loss"]) < 0:

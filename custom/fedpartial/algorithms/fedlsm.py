@@ -68,7 +68,7 @@ import torch.nn.functional as F
 
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
 from fedpartial.algorithms.fedavg import fedavg_weights
-from fedpartial.data.transforms import flip_batch, make_view
+from fedpartial.data.transforms import flip_batch, strong_pipeline, weak_pipeline
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, DataError
 from fedpartial.training.common import (EMATeacher, images_to_tensor, iteration_batches, predict, probabilities,
                                         seed_everything)
@@ -256,7 +256,10 @@ class FedLSMClient(ClientRule):
         weight_decay: Adam weight decay.
         batch_size: total samples per step, UDE pairs included (64).
         ude_pairs: MixUp pairs per step (4).
-        local_iterations: steps per round; None = 30 (single-label) / 200 (multi-label).
+        local_iterations: steps per round; None = 30 (single-label) / 200 (multi-label), the
+            paper's values (about 1.3 passes over a reference site's D_l ∪ D_m).
+        local_epochs: alternative to ``local_iterations`` for sites much smaller than the paper's:
+            steps = ceil(local_epochs * |D_l ∪ D_m| / (batch_size - ude_pairs)). Set at most one.
         confident_fraction: share of the site in D_l; None = 200/1400 (single) / 2000/9500 (multi).
         uncertain_fraction: share of the site in D_h; None = 50/1400 (single) / 500/9500 (multi).
         ema_decay: teacher EMA decay.
@@ -275,7 +278,7 @@ class FedLSMClient(ClientRule):
     """
 
     def __init__(self, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 5e-4, batch_size: int = 64,
-                 ude_pairs: int = 4, local_iterations: Optional[int] = None,
+                 ude_pairs: int = 4, local_iterations: Optional[int] = None, local_epochs: Optional[float] = None,
                  confident_fraction: Optional[float] = None, uncertain_fraction: Optional[float] = None,
                  ema_decay: float = 0.999, tau: float = 0.95, tau_l: float = 0.85, tau_p: float = 0.85,
                  tau_n: float = 0.005, tau_lp: float = 0.7, tau_ln: float = 0.01, lambda_ude: float = 0.1,
@@ -288,6 +291,9 @@ class FedLSMClient(ClientRule):
             raise ValueError(f"need batch_size >= 1 and 0 <= ude_pairs < batch_size, got {batch_size} / {ude_pairs}")
         if local_iterations is not None and local_iterations < 1:
             raise ValueError(f"local_iterations must be >= 1, got {local_iterations}")
+        if local_epochs is not None and (local_epochs <= 0 or local_iterations is not None):
+            raise ValueError(f"local_epochs must be > 0 and excludes local_iterations, got local_epochs={local_epochs}"
+                             f" local_iterations={local_iterations}")
         for name, value in (("tau", tau), ("tau_l", tau_l), ("tau_p", tau_p), ("tau_n", tau_n),
                             ("tau_lp", tau_lp), ("tau_ln", tau_ln)):
             if not 0.0 <= value <= 1.0:
@@ -299,10 +305,11 @@ class FedLSMClient(ClientRule):
             raise ValueError(f"mixup_alpha must be > 0, got {mixup_alpha}")
         self.lr, self.betas, self.weight_decay = float(lr), tuple(betas), float(weight_decay)
         self.batch_size, self.ude_pairs = int(batch_size), int(ude_pairs)
-        self.local_iterations = local_iterations
+        self.local_iterations, self.local_epochs = local_iterations, local_epochs
         self.confident_fraction, self.uncertain_fraction = confident_fraction, uncertain_fraction
         self.ema_decay = float(ema_decay)
-        self.tau, self.tau_l, self.tau_p, self.tau_n, self.tau_lp, self.tau_ln = tau, tau_l, tau_p, tau_n, tau_lp, tau_ln
+        self.tau, self.tau_l = tau, tau_l
+        self.tau_p, self.tau_n, self.tau_lp, self.tau_ln = tau_p, tau_n, tau_lp, tau_ln
         self.lambda_ude, self.mixup_alpha = float(lambda_ude), float(mixup_alpha)
         self.use_ue, self.use_ude = bool(use_ue), bool(use_ude)
         self.class_weighted_bce, self.max_pos_weight = bool(class_weighted_bce), max_pos_weight
@@ -326,7 +333,8 @@ class FedLSMClient(ClientRule):
             raise DataError(f"{data.where()}: train_label_mask is missing (FedLSM needs to know the annotated classes)")
         mask = np.asarray(train.label_mask).astype(bool)
         if mask.shape != labels.shape:
-            raise DataError(f"{data.where()}: train_label_mask shape {mask.shape} differs from train_labels {labels.shape}")
+            raise DataError(f"{data.where()}: train_label_mask shape {mask.shape} differs from "
+                            f"train_labels {labels.shape}")
         if np.any(labels[~mask] > 0.5):
             raise DataError(f"{data.where()}: train_labels has positives on unannotated entries (label_mask 0)")
         self.task = data.task
@@ -344,7 +352,7 @@ class FedLSMClient(ClientRule):
         entropy_split(np.zeros(1), self.conf_frac, self.unc_frac)  # validates the fractions now
         self.iterations = (DEFAULT_LOCAL_ITERATIONS[self.task] if self.local_iterations is None
                            else int(self.local_iterations))
-        self._strong = make_view(self.strong_view) if self.strong_view in ("strong", "weak") else None
+        self._pipeline = None
         self.reference_labels = None
         if ctx.reference is not None:
             ref = np.asarray(ctx.reference.splits["train"].labels, dtype=np.float32)
@@ -353,10 +361,20 @@ class FedLSMClient(ClientRule):
                                 f"the site's train labels {labels.shape}")
             self.reference_labels = torch.from_numpy(ref)
 
+    def _reset_view(self, seed: int) -> None:
+        """(Re)build the student's MONAI view with a per-round seed: MONAI transforms draw from their
+        own RandomState, which ``seed_everything`` does not reach (needed for repeatable rounds)."""
+        if self.strong_view in ("strong", "weak"):
+            self._pipeline = strong_pipeline() if self.strong_view == "strong" else weak_pipeline()
+            self._pipeline.set_random_state(seed=seed)
+
     def _student_view(self, x: torch.Tensor) -> torch.Tensor:
         if self.strong_view == "flip":
             return flip_batch(x)
-        return x if self._strong is None else self._strong(x)
+        if self._pipeline is None:
+            return x
+        # Same per-sample application as data.transforms.make_view.
+        return torch.stack([torch.as_tensor(self._pipeline(sample)).as_subclass(torch.Tensor) for sample in x])
 
     def _pos_weight(self, global_stats) -> Optional[torch.Tensor]:
         if self.task != MULTI_LABEL or not self.class_weighted_bce:
@@ -393,6 +411,7 @@ class FedLSMClient(ClientRule):
         seed = (int(ctx.seed) * 1_000_003 + int(inp.round) * 7919 + _site_code(ctx.site)) % (2**31)
         seed_everything(seed)
         rng = np.random.default_rng(seed)
+        self._reset_view(seed)
 
         # 1-2. Uncertainty of the received global model, split by rank.
         logits = predict(model, self.images, device, batch_size=self.eval_batch_size)
@@ -404,6 +423,9 @@ class FedLSMClient(ClientRule):
             pool = confident = uncertain = np.arange(n)
         do_ude = self.use_ude and self.ude_pairs > 0 and len(confident) > 0 and len(uncertain) > 0
         pool_batch = self.batch_size - (self.ude_pairs if do_ude else 0)
+        iterations = self.iterations
+        if self.local_epochs is not None:
+            iterations = max(1, math.ceil(self.local_epochs * len(pool) / pool_batch))
 
         # 3. Teacher and student both start from the global model.
         teacher = EMATeacher(model, self.ema_decay)
@@ -419,30 +441,33 @@ class FedLSMClient(ClientRule):
         sums = {"loss": 0.0, "loss_labelled": 0.0, "loss_pseudo": 0.0, "loss_ude": 0.0,
                 "pseudo_labels_per_step": 0.0, "ude_valid_pairs": 0.0}
         steps = 0
-        pool_iter = iteration_batches(len(pool), pool_batch, self.iterations, rng) if len(pool) else iter(())
-        conf_iter = iteration_batches(len(confident), self.ude_pairs, self.iterations, rng) if do_ude else None
-        unc_iter = iteration_batches(len(uncertain), self.ude_pairs, self.iterations, rng) if do_ude else None
+        pool_iter = iteration_batches(len(pool), pool_batch, iterations, rng) if len(pool) else iter(())
+        conf_iter = iteration_batches(len(confident), self.ude_pairs, iterations, rng) if do_ude else None
+        unc_iter = iteration_batches(len(uncertain), self.ude_pairs, iterations, rng) if do_ude else None
         for batch in pool_iter:
             if ctx.abort():
                 break
             idx = torch.as_tensor(pool[batch], dtype=torch.long)
             x = self.images[idx]
             labels, mask = self.labels[idx].to(device), self.label_mask[idx].to(device)
-            with torch.no_grad():
-                t_probs = probabilities(teacher.model(flip_batch(x).to(device))[1].float(), self.task)
-            targets, selected, p_pos, p_neg = self._targets(t_probs, labels, mask, *self._thresholds(uncertain=False))
-            inputs = [self._student_view(x).to(device)]
-
-            mix = None
+            teacher_in = [flip_batch(x)]  # teacher: weak view of the pool batch
             if do_ude:
                 ci = torch.as_tensor(confident[next(conf_iter)], dtype=torch.long)
                 ui = torch.as_tensor(uncertain[next(unc_iter)], dtype=torch.long)
                 m = min(len(ci), len(ui))
                 ci, ui = ci[:m], ui[:m]
+                # reference code: the MixUp pair is taken without augmentation
                 xc, xu = self.images[ci].to(device), self.images[ui].to(device)
-                with torch.no_grad():  # reference: the MixUp pair is taken without augmentation
-                    tc = probabilities(teacher.model(xc)[1].float(), self.task)
-                    tu = probabilities(teacher.model(xu)[1].float(), self.task)
+                teacher_in += [self.images[ci], self.images[ui]]
+            with torch.no_grad():  # one eval-mode teacher pass for the pool batch and the pairs
+                t_all = probabilities(teacher.model(torch.cat(teacher_in).to(device))[1].float(), self.task)
+            b = len(idx)
+            targets, selected, p_pos, p_neg = self._targets(t_all[:b], labels, mask, *self._thresholds(uncertain=False))
+            inputs = [self._student_view(x).to(device)]
+
+            mix = None
+            if do_ude:
+                tc, tu = t_all[b:b + m], t_all[b + m:]
                 yc, sel_c, _, _ = self._targets(tc, self.labels[ci].to(device), self.label_mask[ci].to(device),
                                                 *self._thresholds(uncertain=False))
                 yu, sel_u, _, _ = self._targets(tu, self.labels[ui].to(device), self.label_mask[ui].to(device),
@@ -500,12 +525,12 @@ class FedLSMClient(ClientRule):
             "n_uncertain": float(len(uncertain) if self.use_ue else 0), "mean_entropy": float(entropy.mean()),
             "num_pseudo_positive": float(ever_pseudo_pos.sum()), "num_pseudo_negative": float(ever_pseudo_neg.sum()),
             "samples_seen": float(seen.sum()),
+            # 1 once the server's summed statistics came back (round >= 1): the stats made the round trip.
+            "global_stats_received": float("class_counts" in inp.global_stats),
         })
         if self.reference_labels is not None:
             metrics.update(pseudo_label_quality(ever_pseudo_pos, ever_pseudo_neg, self.reference_labels,
                                                 self.label_mask, seen))
-        for key, value in metrics.items():
-            ctx.add_scalar(f"fedlsm/{key}", value, inp.round)
         stats = {"class_counts": class_counts, "label_pos": self.label_pos.copy(), "label_neg": self.label_neg.copy(),
                  "annotated_classes": self.annotated_classes.copy()}
         return RoundResult(num_samples=int(n), stats=stats, metrics=metrics)

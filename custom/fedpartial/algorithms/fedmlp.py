@@ -448,12 +448,18 @@ class FedMLPClient(ClientRule):
     def train_round(self, model, inp: RoundInput) -> RoundResult:
         n, c = self.mask_np.shape
         stage = self.stage(inp.round)
+        if n == 0:
+            self.ctx.log(f"FedMLP: site '{self.ctx.site}' has no training image; it takes no part in the round")
+            return RoundResult(num_samples=0, metrics={"stage": float(stage)})
         seed_everything(self.ctx.seed * 1000 + inp.round)
         rng = np.random.default_rng(self.ctx.seed * 1000 + inp.round)
         device = self.ctx.device
         metrics: Dict[str, float] = {"stage": float(stage)}
 
         new_neg = new_pos = np.zeros(c, dtype=np.int64)
+        if stage == 2:  # shows that the server's prototypes came back (0 = none received)
+            valid = (inp.global_stats or {}).get("prototype_valid")
+            metrics["global_prototypes_valid"] = 0.0 if valid is None else float(np.asarray(valid, dtype=bool).sum())
         if stage == 2 and self.use_mld:
             new_neg, new_pos = self._tag(model, inp)
         teacher = None
@@ -496,9 +502,10 @@ class FedMLPClient(ClientRule):
                 cr_losses.append(float(loss_cr.detach()))
                 steps += 1
 
-        metrics.update({"train_loss": float(np.mean(sup_losses) + self.cr_weight * np.mean(cr_losses)) if steps else 0.0,
-                        "loss_wpc": float(np.mean(sup_losses)) if steps else 0.0,
-                        "loss_cr": float(np.mean(cr_losses)) if steps else 0.0, "train_steps": float(steps)})
+        mean_sup = float(np.mean(sup_losses)) if steps else 0.0
+        mean_cr = float(np.mean(cr_losses)) if steps else 0.0
+        metrics.update({"train_loss": mean_sup + self.cr_weight * mean_cr, "loss_wpc": mean_sup, "loss_cr": mean_cr,
+                        "train_steps": float(steps)})
         if stage == 2 and self.use_mld:
             for j in range(c):
                 if not self.annotated[j]:
@@ -564,7 +571,8 @@ class FedMLPServer(ServerRule):
         exp_c, exp_d = self._expected_shape(ctx)
         p_neg = np.asarray(stats["prototypes_neg"])
         if p_neg.ndim != 2:
-            raise ValueError(f"FedMLP stat 'prototypes_neg' from site '{update.site}' must be (C, D), got {p_neg.shape}")
+            raise ValueError(f"FedMLP stat 'prototypes_neg' from site '{update.site}' must be (C, D), "
+                             f"got {p_neg.shape}")
         c, d = exp_c if exp_c is not None else p_neg.shape[0], exp_d if exp_d is not None else p_neg.shape[1]
         for key in STAT_KEYS:
             value = np.asarray(stats[key])
@@ -578,8 +586,9 @@ class FedMLPServer(ServerRule):
                 continue
             if not np.isfinite(value.astype(np.float64)).all():
                 raise ValueError(f"FedMLP stat '{key}' from site '{update.site}' holds NaN or Inf")
-        if (np.asarray(stats["prototype_counts_neg"]) < 0).any() or (np.asarray(stats["prototype_counts_pos"]) < 0).any():
-            raise ValueError(f"FedMLP stat 'prototype_counts_*' from site '{update.site}' is negative")
+        for key in ("prototype_counts_neg", "prototype_counts_pos"):
+            if (np.asarray(stats[key]) < 0).any():
+                raise ValueError(f"FedMLP stat '{key}' from site '{update.site}' is negative")
         deg = np.asarray(stats["learning_degree"], dtype=np.float64)
         if (deg < 0).any() or (deg > 1).any():
             raise ValueError(f"FedMLP stat 'learning_degree' from site '{update.site}' must lie in [0, 1]")

@@ -1,0 +1,552 @@
+"""Running fedpartial jobs on a real FLARE system (POC or provisioned startup kits).
+
+Shared by ``poc/*.sh``, ``provisioning/*.sh`` and the end-to-end tests:
+
+* projects: :func:`localhost_project` writes a one-machine ``project.yml``; :func:`provision`
+  runs ``nvflare provision`` and returns the newest ``prod_NN`` folder.
+* kits: :func:`kit_env` (HOME / TMPDIR / PATH so the kits use this venv and write nowhere else),
+  :func:`keep_server_storage_in` (job store out of ``/tmp/nvflare``), :func:`start_kit`.
+* admin: :func:`new_admin_session` (``flare_api.new_secure_session`` from an admin kit),
+  :func:`wait_for_clients`, :func:`run_job` (submit, wait, download), :func:`find_results`.
+* clean-up: :func:`workspace_processes` / :func:`kill_workspace_processes` find and end every
+  process whose command line names a state folder (no broad ``pkill``).
+
+Command line (used by the shell scripts)::
+
+    python -m fedpartial.deploy poc-project --sites 3 --port 8102 --out STATE/project.yml
+    python -m fedpartial.deploy run-job --admin-kit KIT --job JOBDIR --out DIR [--timeout S]
+    python -m fedpartial.deploy results DIR          # where global_model.pt / metrics.json are
+    python -m fedpartial.deploy resource-spec JOBDIR --gpus 1 --gpu-mem 8
+    python -m fedpartial.deploy admin-kit PROD_DIR --role project_admin
+    python -m fedpartial.deploy job-task JOBDIR | data-overrides DATA_ROOT
+    python -m fedpartial.deploy stop-leftovers ROOT  # end processes naming ROOT; rc 1 if any survive
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+# Admin users of the one-machine projects; roles decide rights (authorization.json.default):
+# project_admin = everything; lead = submit / manage own jobs, byoc; org_admin = manage own org's
+# sites, may not submit jobs and has no byoc right.
+DEFAULT_ADMINS = (("admin@hospital-a.org", "hospital_a", "project_admin"),
+                  ("lead@hospital-a.org", "hospital_a", "lead"),
+                  ("orgadmin@hospital-b.org", "hospital_b", "org_admin"))
+TERMINAL_PREFIX = "FINISHED"
+
+
+def nvflare_cmd() -> List[str]:
+    """``nvflare`` of the running interpreter (works without the console script on PATH)."""
+    return [sys.executable, "-m", "nvflare.cli"]
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for parallel one-machine systems)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def site_list(num_sites: int) -> List[str]:
+    if num_sites < 1:
+        raise ValueError(f"number of sites must be >= 1, got {num_sites}")
+    return [f"site-{i}" for i in range(1, num_sites + 1)]
+
+
+def localhost_project(name: str, port: int, sites: Sequence[str], server_name: str = "localhost",
+                      admins: Sequence[Sequence[str]] = DEFAULT_ADMINS, site_org: str = "hospital") -> dict:
+    """A one-machine project (same layout as ``provisioning/project_localhost.yml``).
+
+    Args:
+        name: project name (also the CN of the root CA).
+        port: the server's single port (FL + admin traffic).
+        sites: client names, e.g. ``["site-1", "site-2"]``; site i gets org ``{site_org}_{letter}``.
+        server_name: ``localhost`` for provisioned kits (clients connect to this name). POC
+            projects use ``server`` with ``default_host: localhost``.
+        admins: ``(email, org, role)`` triples.
+        site_org: prefix of the sites' organisation names.
+    """
+    server = {"name": server_name, "type": "server", "org": "hospital_a", "fed_learn_port": int(port)}
+    if server_name != "localhost":
+        server["default_host"] = "localhost"
+    participants = [server]
+    for i, site in enumerate(sites):
+        participants.append({"name": site, "type": "client", "org": f"{site_org}_{chr(ord('a') + i % 26)}"})
+    for email, org, role in admins:
+        participants.append({"name": email, "type": "admin", "org": org, "role": role})
+    return {
+        "api_version": 3,
+        "name": name,
+        "description": "fedpartial one-machine project",
+        "participants": participants,
+        "builders": [
+            {"path": "nvflare.lighter.impl.workspace.WorkspaceBuilder",
+             "args": {"template_file": ["master_template.yml"]}},
+            {"path": "nvflare.lighter.impl.static_file.StaticFileBuilder", "args": {"config_folder": "config"}},
+            {"path": "nvflare.lighter.impl.cert.CertBuilder"},
+            {"path": "nvflare.lighter.impl.signature.SignatureBuilder"},
+        ],
+    }
+
+
+def write_project(path: str, project: dict) -> str:
+    """Write a project dict as YAML (``nvflare`` depends on PyYAML)."""
+    import yaml
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        yaml.safe_dump(project, f, sort_keys=False)
+    return path
+
+
+def kit_env(state_dir: str, base: Optional[dict] = None) -> Dict[str, str]:
+    """Environment for nvflare commands and kits: HOME and TMPDIR inside ``state_dir`` (nvflare keeps
+    ``~/.nvflare/config.conf``, torch its caches there) and this interpreter's folder first on PATH
+    (``sub_start.sh`` runs ``python3`` from PATH)."""
+    env = dict(os.environ if base is None else base)
+    home, tmp = os.path.join(state_dir, "home"), os.path.join(state_dir, "tmp")
+    os.makedirs(home, exist_ok=True)
+    os.makedirs(tmp, exist_ok=True)
+    env.update(HOME=home, TMPDIR=tmp, PYTHONUNBUFFERED="1")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env.pop("NVFLARE_STARTUP_KIT_DIR", None)
+    return env
+
+
+def provision(project_file: str, workspace: str, env: Optional[dict] = None, timeout: float = 120) -> str:
+    """``nvflare provision -p project_file -w workspace``; returns the new ``prod_NN`` folder.
+
+    Re-running it on the same workspace keeps ``<workspace>/<project>/state/cert.json`` (root CA and
+    key), so kits of a later run (e.g. a site added) trust and are trusted by the earlier ones.
+    """
+    cmd = nvflare_cmd() + ["provision", "-p", os.path.abspath(project_file), "-w", os.path.abspath(workspace),
+                           "--force"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"'{' '.join(cmd)}' failed (exit {res.returncode}):\n{res.stdout}\n{res.stderr}")
+    import yaml
+
+    name = yaml.safe_load(open(project_file))["name"]
+    return latest_prod_dir(workspace, name)
+
+
+def latest_prod_dir(workspace: str, project_name: str) -> str:
+    prods = sorted(glob.glob(os.path.join(workspace, project_name, "prod_*")))
+    if not prods:
+        raise FileNotFoundError(f"no {workspace}/{project_name}/prod_* folder: provisioning produced no kits")
+    return prods[-1]
+
+
+def keep_server_storage_in(server_kit: str, root: str) -> str:
+    """Point the server's job store and snapshot store (default ``/tmp/nvflare/...``) into ``root``:
+    writes ``local/resources.json`` from ``local/resources.json.default``. Returns the file written."""
+    local = os.path.join(server_kit, "local")
+    src = os.path.join(local, "resources.json")
+    if not os.path.isfile(src):
+        src += ".default"
+    text = open(src).read().replace("/tmp/nvflare", os.path.abspath(root))
+    out = os.path.join(local, "resources.json")
+    with open(out, "w") as f:
+        f.write(text)
+    return out
+
+
+def start_kit(kit_dir: str, log_path: str, env: Optional[dict] = None) -> subprocess.Popen:
+    """Start a server / client kit with ``startup/sub_start.sh --once`` (no restart loop) in its own
+    session, so ``os.killpg(proc.pid, ...)`` ends it and every child."""
+    script = os.path.join(kit_dir, "startup", "sub_start.sh")
+    if not os.path.isfile(script):
+        raise FileNotFoundError(f"'{kit_dir}' is not a server/client startup kit (no startup/sub_start.sh)")
+    out = open(log_path, "ab")
+    try:
+        return subprocess.Popen(["bash", script, "--once"], cwd=kit_dir, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        out.close()
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL, the process group of ``proc`` (started with start_new_session)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            # the leader is gone; children of the group may still be there: kill them too
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def admin_kits(prod_dir: str) -> Dict[str, str]:
+    """Admin kits of a ``prod_NN`` folder: kit folder -> role (read from the kit's certificate)."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    kits = {}
+    for cfg in sorted(glob.glob(os.path.join(prod_dir, "*", "startup", "fed_admin.json"))):
+        kit = os.path.dirname(os.path.dirname(cfg))
+        with open(os.path.join(kit, "startup", "client.crt"), "rb") as f:
+            cert = x509.load_pem_x509_certificate(f.read())
+        roles = cert.subject.get_attributes_for_oid(NameOID.UNSTRUCTURED_NAME)
+        kits[kit] = roles[0].value if roles else ""
+    return kits
+
+
+def admin_username(admin_kit: str) -> str:
+    """The user name of an admin startup kit (the CN of its certificate)."""
+    from nvflare.tool.kit.kit_config import resolve_admin_user_and_dir_from_startup_kit
+
+    return resolve_admin_user_and_dir_from_startup_kit(admin_kit)[0]
+
+
+def new_admin_session(admin_kit: str, timeout: float = 30.0):
+    """``flare_api.new_secure_session`` for an admin kit folder (``.../prod_00/admin@x.org``)."""
+    from nvflare.fuel.flare_api.flare_api import new_secure_session
+
+    return new_secure_session(username=admin_username(admin_kit), startup_kit_location=os.path.abspath(admin_kit),
+                              timeout=timeout)
+
+
+def wait_for_clients(session, names: Sequence[str], timeout: float = 60.0, poll: float = 1.0) -> List[str]:
+    """Block until every client in ``names`` is connected; returns the connected names."""
+    deadline = time.time() + timeout
+    connected: List[str] = []
+    while time.time() < deadline:
+        connected = sorted(c.name for c in session.get_connected_client_list())
+        if set(names) <= set(connected):
+            return connected
+        time.sleep(poll)
+    raise TimeoutError(f"clients {sorted(set(names) - set(connected))} did not connect within {timeout:.0f} s "
+                       f"(connected: {connected}); see their log.txt")
+
+
+def run_job(session, job_dir: str, out_dir: str, timeout: float = 0.0, poll: float = 2.0,
+            log: Callable[[str], None] = print) -> dict:
+    """Submit a job folder, wait until it ends, download the server's result into ``out_dir``.
+
+    Args:
+        session: an admin session (:func:`new_admin_session`).
+        job_dir: a submit-ready job (``python -m fedpartial package-job``).
+        out_dir: download destination; the result lands in ``out_dir/<job_id>``.
+        timeout: seconds to wait for the job (0 = forever); on timeout the job is aborted.
+        poll: seconds between status polls.
+        log: progress printer.
+
+    Returns:
+        ``{"job_id", "status", "seconds", "result_dir", **find_results(result_dir)}``.
+    """
+    from nvflare.fuel.flare_api.api_spec import JobTimeout
+
+    started = time.time()
+    job_id = session.submit_job(os.path.abspath(job_dir))
+    log(f"submitted {os.path.basename(job_dir.rstrip('/'))} as job {job_id}")
+    try:
+        meta = session.wait_for_job(job_id, timeout=timeout, poll_interval=poll)
+    except JobTimeout:
+        session.abort_job(job_id)
+        raise TimeoutError(f"job {job_id} did not finish within {timeout:.0f} s; aborted it")
+    status = meta.get("status", "?")
+    log(f"job {job_id} ended: {status} after {time.time() - started:.0f} s")
+    os.makedirs(out_dir, exist_ok=True)
+    result_dir = session.download_job_result(job_id, destination=os.path.abspath(out_dir))
+    out = {"job_id": job_id, "status": status, "seconds": round(time.time() - started, 1),
+           "result_dir": result_dir}
+    out.update(find_results(result_dir))
+    return out
+
+
+def find_results(result_dir: str) -> Dict[str, Optional[str]]:
+    """Paths of the fedpartial outputs inside a downloaded job (``None`` where absent): the
+    server's ``global_model.pt``, ``best_global_model.pt``, ``metrics.json``, cross-site
+    evaluation ``cross_val_results.json`` and TensorBoard folders (server side)."""
+
+    def first(pattern):
+        hits = sorted(glob.glob(os.path.join(result_dir, "**", pattern), recursive=True), key=len)
+        return hits[0] if hits else None
+
+    tb = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(result_dir, "**", "events.out.tfevents.*"),
+                                                          recursive=True)})
+    return {"global_model": first("global_model.pt"), "best_global_model": first("best_global_model.pt"),
+            "metrics": first("metrics.json"), "cross_site_val": first("cross_val_results.json"),
+            "tensorboard": tb[0] if tb else None, "server_log": first("log.txt")}
+
+
+def set_resource_spec(job_dir: str, sites: Sequence[str], gpus: int, gpu_mem_gib: float = 0) -> dict:
+    """Write ``resource_spec`` of a job's meta.json: each site needs ``gpus`` GPUs with
+    ``gpu_mem_gib`` GiB. ``gpus=0`` clears it (``{}``: runs on CPU-only sites).
+
+    A site whose resource manager has fewer GPUs (every kit defaults to ``num_of_gpus: 0``; set
+    ``capacity`` in project.yml) makes the scheduler hold the job as SUBMITTED and retry with
+    back-off (10 tries, ~30 min) before it ends FINISHED_CANT_SCHEDULE.
+    """
+    path = os.path.join(job_dir, "meta.json")
+    meta = json.load(open(path))
+    meta["resource_spec"] = ({} if gpus <= 0 else
+                             {s: {"num_of_gpus": int(gpus), "mem_per_gpu_in_GiB": gpu_mem_gib} for s in sites})
+    with open(path, "w") as f:
+        json.dump(meta, f, indent=2)
+    return meta["resource_spec"]
+
+
+def job_model(job_dir: str) -> dict:
+    """The ``model`` block of a job's server config (arch, task, class_names, in_channels...)."""
+    found = glob.glob(os.path.join(job_dir, "*", "config", "config_fed_server.json"))
+    if not found:
+        raise FileNotFoundError(f"job '{job_dir}' has no */config/config_fed_server.json")
+    model = json.load(open(found[0])).get("model")
+    if not isinstance(model, dict):
+        raise ValueError(f"'{found[0]}' has no 'model' block")
+    return model
+
+
+def data_overrides(data_root: str) -> List[str]:
+    """``--set`` overrides that fit a job's model to the site files in ``data_root`` (class names,
+    channels, image size), read from the first site file."""
+    import numpy as np
+
+    files = sorted(glob.glob(os.path.join(data_root, "*.npz")), key=lambda p: (len(p), p))
+    if not files:
+        raise FileNotFoundError(f"no site files (*.npz) in '{data_root}'")
+    with np.load(files[0], allow_pickle=False) as z:
+        if "train_images" not in z or "class_names" not in z:
+            raise ValueError(f"'{files[0]}' is not a site file (needs train_images and class_names)")
+        shape = z["train_images"].shape
+        names = [str(n) for n in z["class_names"].tolist()]
+    channels = shape[3] if len(shape) == 4 else 1
+    return [f"model.class_names={json.dumps(names)}", f"model.in_channels={channels}",
+            f"model.input_size={json.dumps([int(shape[1]), int(shape[2])])}"]
+
+
+# ---------------------------------------------------------------- processes
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _own_lineage() -> set:
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        pid = _ppid(pid)
+    return pids
+
+
+def workspace_processes(root: str) -> Dict[int, str]:
+    """FLARE processes (pid -> command line) whose command line names a path under ``root``, plus their
+    descendants (e.g. the ``sleep`` of a ``sub_start.sh`` loop). Never this process or its parents."""
+    root = os.path.abspath(root).rstrip("/")
+    mine = _own_lineage()
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    parents = {p: _ppid(p) for p in pids}
+
+    def names_root(cmd: str) -> bool:
+        # only FLARE processes (python -m nvflare..., startup/sub_start.sh): never a user's editor or tail
+        if "nvflare" not in cmd and "/startup/" not in cmd:
+            return False
+        cmd += " "
+        return (root + "/") in cmd or (root + " ") in cmd
+
+    found = {p: _cmdline(p) for p in pids if p not in mine and names_root(_cmdline(p))}
+    grew = True
+    while grew:
+        grew = False
+        for p, pp in parents.items():
+            if pp in found and p not in found and p not in mine:
+                found[p] = _cmdline(p)
+                grew = True
+    return {p: c for p, c in found.items() if c or os.path.exists(f"/proc/{p}")}
+
+
+def kill_workspace_processes(root: str, wait: float = 0.0, grace: float = 3.0) -> Dict[int, str]:
+    """Wait up to ``wait`` s for the processes of ``root`` to end by themselves, then SIGKILL what is
+    left (all at once, so a ``sub_start.sh`` loop cannot restart its child). Returns the processes
+    that had to be killed."""
+    deadline = time.time() + wait
+    left = workspace_processes(root)
+    while left and time.time() < deadline:
+        time.sleep(0.5)
+        left = workspace_processes(root)
+    killed = dict(left)
+    for _ in range(3):
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        end = time.time() + grace
+        while time.time() < end:
+            left = {p: c for p, c in workspace_processes(root).items() if not _is_zombie(p)}
+            if not left:
+                break
+            time.sleep(0.2)
+    return killed
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def live_workspace_processes(root: str) -> Dict[int, str]:
+    return {p: c for p, c in workspace_processes(root).items() if not _is_zombie(p)}
+
+
+# ---------------------------------------------------------------- command line
+
+def _cmd_poc_project(args):
+    sites = args.site_names.split(",") if args.site_names else site_list(args.sites)
+    project = localhost_project(args.name, args.port or free_port(), sites, server_name="server")
+    write_project(args.out, project)
+    print(args.out)
+
+
+def _cmd_localhost_project(args):
+    sites = args.site_names.split(",") if args.site_names else site_list(args.sites)
+    write_project(args.out, localhost_project(args.name, args.port or free_port(), sites))
+    print(args.out)
+
+
+def _cmd_run_job(args):
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # nvflare prints "Connecting to FLARE ..."; stdout is JSON
+        session = new_admin_session(args.admin_kit, timeout=args.connect_timeout)
+    try:
+        result = run_job(session, args.job, args.out, timeout=args.timeout,
+                         log=lambda m: print(m, file=sys.stderr, flush=True))
+    finally:
+        session.close()
+    print(json.dumps(result, indent=1))
+    if not str(result["status"]).endswith("COMPLETED") or not result["global_model"]:
+        print(f"error: job {result['job_id']} ended {result['status']}; server log: {result['server_log']}",
+              file=sys.stderr)
+        raise SystemExit(1)
+
+
+def _cmd_results(args):
+    print(json.dumps(find_results(args.dir), indent=1))
+
+
+def _cmd_resource_spec(args):
+    meta = json.load(open(os.path.join(args.job, "meta.json")))
+    sites = args.site_names.split(",") if args.site_names else None
+    if not sites:
+        sites = site_list(int(meta.get("min_clients", 2)))
+    print(json.dumps(set_resource_spec(args.job, sites, args.gpus, args.gpu_mem)))
+
+
+def _cmd_admin_kit(args):
+    kits = [k for k, role in admin_kits(args.prod_dir).items() if role == args.role]
+    if not kits:
+        raise FileNotFoundError(f"no admin kit with role '{args.role}' in '{args.prod_dir}'")
+    print(kits[0])
+
+
+def _cmd_job_task(args):
+    print(job_model(args.job).get("task", ""))
+
+
+def _cmd_data_overrides(args):
+    print("\n".join(data_overrides(args.data_root)))
+
+
+def _cmd_stop_leftovers(args):
+    killed = kill_workspace_processes(args.root, wait=args.wait)
+    for pid, cmd in sorted(killed.items()):
+        print(f"killed leftover {pid}: {cmd[:160]}", file=sys.stderr)
+    left = live_workspace_processes(args.root)
+    if left:
+        for pid, cmd in sorted(left.items()):
+            print(f"error: still running {pid}: {cmd[:160]}", file=sys.stderr)
+        raise SystemExit(1)
+    print(f"no process of {os.path.abspath(args.root)} is running")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fedpartial.deploy", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for cmd, fn, what in (("poc-project", _cmd_poc_project, "project.yml for 'nvflare poc prepare -i'"),
+                          ("localhost-project", _cmd_localhost_project, "one-machine project.yml to provision")):
+        s = sub.add_parser(cmd, help=what)
+        s.add_argument("--sites", type=int, default=2)
+        s.add_argument("--site-names", default="", help="comma-separated names (instead of --sites)")
+        s.add_argument("--port", type=int, default=0, help="server port (0 = a free one)")
+        s.add_argument("--name", default="fedpartial")
+        s.add_argument("--out", required=True)
+        s.set_defaults(func=fn)
+    s = sub.add_parser("run-job", help="submit a job folder, wait, download the result (admin API)")
+    s.add_argument("--admin-kit", required=True, help="admin startup kit folder (project_admin or lead)")
+    s.add_argument("--job", required=True, help="submit-ready job folder")
+    s.add_argument("--out", required=True, help="download folder")
+    s.add_argument("--timeout", type=float, default=0, help="seconds (0 = no limit); the job is aborted after")
+    s.add_argument("--connect-timeout", type=float, default=30)
+    s.set_defaults(func=_cmd_run_job)
+    s = sub.add_parser("results", help="where the outputs of a downloaded job are")
+    s.add_argument("dir")
+    s.set_defaults(func=_cmd_results)
+    s = sub.add_parser("resource-spec", help="set the GPU resource_spec of a packaged job's meta.json")
+    s.add_argument("job")
+    s.add_argument("--gpus", type=int, required=True, help="GPUs per site (0 = none: CPU sites accept the job)")
+    s.add_argument("--gpu-mem", type=float, default=0, help="GiB per GPU")
+    s.add_argument("--site-names", default="", help="comma-separated (default site-1..site-<min_clients>)")
+    s.set_defaults(func=_cmd_resource_spec)
+    s = sub.add_parser("job-task", help="print the task (single-label | multi-label | segmentation) of a job")
+    s.add_argument("job")
+    s.set_defaults(func=_cmd_job_task)
+    s = sub.add_parser("data-overrides", help="print key=value settings fitting a job's model to site files")
+    s.add_argument("data_root")
+    s.set_defaults(func=_cmd_data_overrides)
+    s = sub.add_parser("admin-kit", help="print the first admin kit of a prod_NN folder with a role")
+    s.add_argument("prod_dir")
+    s.add_argument("--role", default="project_admin", help="project_admin | lead | org_admin | member")
+    s.set_defaults(func=_cmd_admin_kit)
+    s = sub.add_parser("stop-leftovers", help="end every process naming ROOT; exit 1 if one survives")
+    s.add_argument("root")
+    s.add_argument("--wait", type=float, default=0, help="seconds to let them exit by themselves first")
+    s.set_defaults(func=_cmd_stop_leftovers)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""Site-side FLARE filters for what leaves a site.
+
+* :class:`StatisticsPrivacyFilter` (a ``DXOFilter`` on WEIGHTS) edits the method statistics in
+  ``meta["site_stats"]`` of a train result: a minimum-count rule withholds class-wise statistics
+  computed from fewer than ``min_count`` samples, and optional Gaussian noise is added per key
+  (counts, prototypes, relation matrices). The weights and every other meta key pass untouched,
+  so NVFlare's own weight filters (``PercentilePrivacy``, ``ExcludeVars``) can sit in the same chain.
+* :class:`SendWeightDiff` (client) + :class:`RestoreFullWeights` (server) let NVFlare's
+  diff-based ``PercentilePrivacy`` and the key-removing ``ExcludeVars`` work with our executor
+  (which sends full WEIGHTS) and aggregator (which needs every parameter).
+* :class:`MessageRecorder` pickles every outgoing DXO (data + meta) to a folder: the privacy tests
+  put it LAST in the client's result filter chains to see exactly what goes on the wire.
+
+Put them in ``task_result_filters`` of ``config_fed_client.json`` (see docs/FAILURE_BEHAVIOUR.md)::
+
+    {"tasks": ["train"], "filters": [{"path": "fedpartial.flare.filters.StatisticsPrivacyFilter",
+                                      "args": {"preset": "fedmlp", "min_count": 5,
+                                               "noise_sigma": {"prototypes_pos": 0.05}}}]}
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import threading
+from typing import Dict, List, Optional, Union
+
+import numpy as np
+from nvflare.apis.dxo import DXO, DataKind, from_shareable
+from nvflare.apis.filter import Filter
+from nvflare.apis.fl_constant import FLContextKey, ReservedKey, ReturnCode
+from nvflare.apis.fl_context import FLContext
+from nvflare.apis.shareable import Shareable
+from nvflare.apis.dxo_filter import DXOFilter
+from nvflare.app_common.app_constant import AppConstants
+
+from fedpartial.flare.common import SITE_STATS
+
+INF = float("inf")
+
+#: Per-method defaults of :class:`StatisticsPrivacyFilter`. ``guards``: statistic -> the count key
+#: whose class entries it was computed from (a count guards itself). ``fill``: what a withheld row
+#: becomes, i.e. the placeholder the server rule already reads as "absent" (count 0).
+PRESETS: Dict[str, dict] = {
+    "none": {},
+    # FedLSM: per-class counts of confident positives (AWPA row weights) and annotated pos / neg.
+    "fedlsm": {"guards": {"class_counts": "class_counts", "label_pos": "label_pos", "label_neg": "label_neg"},
+               "clip": {"class_counts": [0, INF], "label_pos": [0, INF], "label_neg": [0, INF]}},
+    # FedMLP: class prototypes (C, D) behind their sample counts (C,); learning degrees in [0, 1].
+    "fedmlp": {"guards": {"prototypes_pos": "prototype_counts_pos", "prototype_counts_pos": "prototype_counts_pos",
+                          "prototypes_neg": "prototype_counts_neg", "prototype_counts_neg": "prototype_counts_neg"},
+               "clip": {"prototype_counts_pos": [0, INF], "prototype_counts_neg": [0, INF],
+                        "learning_degree": [0, 1]}},
+    # FedIRM: relation matrix rows (softmax, sum 1) behind the class counts; absent row = 1/C.
+    "fedirm": {"guards": {"relation_matrix": "relation_counts", "relation_counts": "relation_counts"},
+               "fill": {"relation_matrix": "uniform"},
+               "clip": {"relation_matrix": [0, 1], "relation_counts": [0, INF]},
+               "normalise_rows": ["relation_matrix"]},
+    # FedIRM multi-label: sigmoid rows, absent row = 0.5, no row sum.
+    "fedirm_multilabel": {"guards": {"relation_matrix": "relation_counts", "relation_counts": "relation_counts"},
+                          "fill": {"relation_matrix": 0.5},
+                          "clip": {"relation_matrix": [0, 1], "relation_counts": [0, INF]}},
+    # FedIA: site-level scalars only (no class-wise counts to guard); noise keeps them in range.
+    "fedia": {"clip": {"mean_loss": [0, INF], "iou": [0, 1], "completeness": [1e-6, INF]}},
+}
+
+
+def _fill_value(spec, row_length: int) -> float:
+    if spec == "uniform":
+        return 1.0 / max(row_length, 1)
+    return float(spec)
+
+
+def filter_statistics(stats: dict, min_count: int = 0, guards: Optional[Dict[str, str]] = None,
+                      fill: Optional[Dict[str, Union[float, str]]] = None,
+                      noise_sigma: Optional[Dict[str, float]] = None, clip: Optional[Dict[str, list]] = None,
+                      normalise_rows: Optional[List[str]] = None, rng: Optional[np.random.Generator] = None,
+                      where: str = "") -> tuple:
+    """Apply the minimum-count rule and the noise to one site's statistics (a new dict).
+
+    1. Withhold: for each ``guards`` entry ``stat -> count``, every class ``c`` with
+       ``stats[count][c] < min_count`` (or 0) has row ``c`` of ``stats[stat]`` replaced by its
+       ``fill`` (0 unless given; ``"uniform"`` = 1/row length). Counts guard themselves, so a
+       withheld class is sent as count 0, which the server rules already read as "absent".
+    2. Noise: ``noise_sigma[key]`` Gaussian noise on the released entries of ``key`` (all entries
+       when the key has no guard); withheld rows stay exact placeholders.
+    3. Project: ``clip[key] = [lo, hi]`` then, for ``normalise_rows`` keys, released rows are
+       rescaled to sum 1 (softmax rows), so the result still passes the server's ``check_stats``.
+
+    Args:
+        stats: ``{key: number | array}`` as a client rule returned it.
+        min_count: k; 0 switches the rule off.
+        guards: statistic -> guarding count key.
+        fill: statistic -> value of a withheld row (number or ``"uniform"``).
+        noise_sigma: key -> standard deviation of the added noise.
+        clip: key -> ``[lo, hi]`` after the noise.
+        normalise_rows: keys whose released rows must sum to 1.
+        rng: noise source (seed it only for tests).
+        where: site name for error messages.
+
+    Returns:
+        ``(filtered stats, report)``; report = ``{"withheld": {stat: n_rows}, "noised": [keys]}``
+        (counts of rows only, never values).
+    """
+    guards, fill, clip = dict(guards or {}), dict(fill or {}), dict(clip or {})
+    noise_sigma, normalise_rows = dict(noise_sigma or {}), list(normalise_rows or [])
+    rng = rng if rng is not None else np.random.default_rng()
+    out = dict(stats)
+    released: Dict[str, np.ndarray] = {}  # stat -> (C,) bool rows that may carry real values
+    hidden: Dict[str, int] = {}
+    for stat, count_key in guards.items():
+        if stat not in stats or count_key not in stats:
+            continue  # e.g. FedMLP warm-up rounds and FedIRM unlabelled sites send no statistics
+        counts = np.asarray(stats[count_key], dtype=np.float64)
+        value = np.asarray(stats[stat])
+        if counts.ndim != 1 or value.ndim < 1 or value.shape[0] != counts.shape[0]:
+            raise ValueError(f"site '{where}': statistic '{stat}' of shape {value.shape} cannot be guarded by "
+                             f"count '{count_key}' of shape {counts.shape} (one count per row needed)")
+        released[stat] = (counts >= max(int(min_count), 1)) & np.isfinite(counts)
+        hidden[stat] = int(((counts > 0) & ~released[stat]).sum())  # rows that really held something
+    report = {"withheld": {}, "noised": []}
+    for key in sorted(set(stats) & (set(released) | set(noise_sigma) | set(clip) | set(normalise_rows))):
+        original = stats[key]
+        value = np.array(original, dtype=np.float64, copy=True)
+        rows = released.get(key)
+        if rows is not None:
+            withheld = ~rows
+            if withheld.any():
+                value[withheld] = _fill_value(fill.get(key, 0.0), value.shape[1] if value.ndim > 1 else 1)
+            if hidden[key]:
+                report["withheld"][key] = hidden[key]
+        sigma = float(noise_sigma.get(key, 0.0))
+        if sigma < 0:
+            raise ValueError(f"noise_sigma['{key}'] must be >= 0, got {sigma}")
+        if sigma > 0:
+            noise = rng.normal(0.0, sigma, size=value.shape)
+            if rows is not None:
+                noise[~rows] = 0.0
+            value = value + noise
+            report["noised"].append(key)
+        if key in clip:
+            lo, hi = (float(b) for b in clip[key])
+            keep = value.copy()
+            value = np.clip(value, lo, hi)
+            if rows is not None:  # placeholders are exact by construction: never clip them away
+                value[~rows] = keep[~rows]
+        if key in normalise_rows and value.ndim == 2:
+            sums = value.sum(axis=1, keepdims=True)
+            norm = np.where(sums > 0, value / np.where(sums > 0, sums, 1.0), 1.0 / value.shape[1])
+            value = norm if rows is None else np.where(rows[:, None], norm, value)
+        out[key] = _like(original, value)
+    return out, report
+
+
+def _like(original, value: np.ndarray):
+    """``value`` in the container / dtype of ``original`` (python scalar stays scalar, float32 stays)."""
+    if np.ndim(original) == 0 and not isinstance(original, np.ndarray):
+        return float(value)
+    dtype = np.asarray(original).dtype
+    return value.astype(dtype if dtype.kind == "f" else np.float64)
+
+
+class StatisticsPrivacyFilter(DXOFilter):
+    """Minimum-count rule + Gaussian noise on the statistics a site sends (``meta["site_stats"]`` of
+    WEIGHTS DXOs). The model weights and the other meta keys pass unchanged.
+
+    Args:
+        preset: method defaults for ``guards`` / ``fill`` / ``clip`` / ``normalise_rows``: one of
+            ``none, fedlsm, fedmlp, fedirm, fedirm_multilabel, fedia``. Explicit arguments win.
+        min_count: k: a class-wise statistic from fewer than k samples is withheld (0 = off).
+        guards: ``{statistic: count key}``; which count guards which statistic.
+        fill: ``{statistic: value}`` of a withheld row (number or ``"uniform"``; default 0).
+        noise_sigma: ``{key: sigma}`` Gaussian noise per key (default none).
+        clip: ``{key: [lo, hi]}`` applied after the noise.
+        normalise_rows: keys whose rows must sum to 1 after the noise.
+        seed: noise seed; leave None outside tests (predictable noise protects nothing).
+        data_kinds: DXO kinds to filter (default WEIGHTS and WEIGHT_DIFF).
+    """
+
+    def __init__(self, preset: str = "none", min_count: int = 0, guards: Optional[dict] = None,
+                 fill: Optional[dict] = None, noise_sigma: Optional[dict] = None, clip: Optional[dict] = None,
+                 normalise_rows: Optional[list] = None, seed: Optional[int] = None, data_kinds: List[str] = None):
+        kinds = [DataKind.WEIGHTS, DataKind.WEIGHT_DIFF]
+        super().__init__(supported_data_kinds=kinds, data_kinds_to_filter=data_kinds or kinds)
+        if preset not in PRESETS:
+            raise ValueError(f"StatisticsPrivacyFilter preset '{preset}' unknown; choose one of {sorted(PRESETS)}")
+        if int(min_count) < 0:
+            raise ValueError(f"StatisticsPrivacyFilter min_count must be >= 0, got {min_count}")
+        base = PRESETS[preset]
+        self.min_count = int(min_count)
+        self.guards = {**base.get("guards", {}), **(guards or {})}
+        self.fill = {**base.get("fill", {}), **(fill or {})}
+        self.clip = {**base.get("clip", {}), **(clip or {})}
+        self.normalise_rows = list(normalise_rows if normalise_rows is not None else base.get("normalise_rows", []))
+        self.noise_sigma = {k: float(v) for k, v in (noise_sigma or {}).items()}
+        for key, sigma in self.noise_sigma.items():
+            if sigma < 0:
+                raise ValueError(f"StatisticsPrivacyFilter noise_sigma['{key}'] must be >= 0, got {sigma}")
+        for key, bounds in self.clip.items():
+            if len(bounds) != 2 or float(bounds[0]) > float(bounds[1]):
+                raise ValueError(f"StatisticsPrivacyFilter clip['{key}'] must be [lo, hi] with lo <= hi, got {bounds}")
+        self.rng = np.random.default_rng(seed)
+
+    def process_dxo(self, dxo: DXO, shareable: Shareable, fl_ctx: FLContext) -> Optional[DXO]:
+        stats = dxo.get_meta_prop(SITE_STATS)
+        if not stats:
+            return None
+        site = fl_ctx.get_identity_name() if fl_ctx is not None else "?"
+        filtered, report = filter_statistics(stats, self.min_count, self.guards, self.fill, self.noise_sigma,
+                                             self.clip, self.normalise_rows, self.rng, where=site)
+        dxo.set_meta_prop(SITE_STATS, filtered)
+        self.log_info(fl_ctx, f"site statistics filtered (min_count={self.min_count}): withheld rows "
+                              f"{report['withheld'] or 'none'}; noise on {report['noised'] or 'nothing'}")
+        return dxo
+
+
+RECEIVED_WEIGHTS = "fedpartial.received_global_weights"
+
+
+class SendWeightDiff(Filter):
+    """Client side: lets NVFlare's diff-based filters (``PercentilePrivacy``) work with our executor,
+    which sends full WEIGHTS. Put the SAME class in two chains of the train task:
+
+    * ``task_data_filters`` (in): remembers the received global weights for this task;
+    * ``task_result_filters`` (out, before ``PercentilePrivacy``): WEIGHTS -> WEIGHT_DIFF
+      (local - received). Meta (site_stats, sample count...) is kept.
+
+    The server needs :class:`RestoreFullWeights` as a result filter to turn the diff back into
+    weights before the aggregator checks it.
+    """
+
+    def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
+        direction = str(fl_ctx.get_prop(FLContextKey.FILTER_DIRECTION, "")).lower()
+        try:
+            dxo = from_shareable(shareable)
+        except Exception:
+            return shareable
+        if direction == "in":
+            if dxo.data_kind == DataKind.WEIGHTS:
+                fl_ctx.set_prop(RECEIVED_WEIGHTS, dxo.data, private=True, sticky=False)
+            return shareable
+        if dxo.data_kind != DataKind.WEIGHTS or shareable.get_return_code() != ReturnCode.OK:
+            return shareable
+        received = fl_ctx.get_prop(RECEIVED_WEIGHTS)
+        if not received:
+            raise RuntimeError("SendWeightDiff: no received global weights: add it to the task_data_filters "
+                               "of the same task too")
+        missing = sorted(set(dxo.data) - set(received))
+        if missing:
+            raise ValueError(f"SendWeightDiff: parameter '{missing[0]}' was not in the received model")
+        diff = {k: np.asarray(v) - np.asarray(received[k]) for k, v in dxo.data.items()}
+        return DXO(DataKind.WEIGHT_DIFF, data=diff, meta=dict(dxo.meta or {})).update_shareable(shareable)
+
+
+class RestoreFullWeights(Filter):
+    """Server side result filter: makes a site's update a complete WEIGHTS DXO again before the
+    aggregator sees it. A WEIGHT_DIFF (from :class:`SendWeightDiff`) is added to the global model
+    of the round; parameters a site left out (``ExcludeVars``) are taken from the global model, so
+    they count as "unchanged" in the average. Meta passes unchanged. Without it, the aggregator
+    rejects such updates ("update lacks parameter ...", "data kind WEIGHT_DIFF").
+    """
+
+    def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
+        from nvflare.app_common.abstract.model import ModelLearnableKey
+
+        try:
+            dxo = from_shareable(shareable)
+        except Exception:
+            return shareable
+        if dxo.data_kind not in (DataKind.WEIGHTS, DataKind.WEIGHT_DIFF):
+            return shareable
+        learnable = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
+        reference = (learnable or {}).get(ModelLearnableKey.WEIGHTS) if learnable else None
+        if not reference:
+            raise RuntimeError("RestoreFullWeights: the round's global model is not known on the server")
+        data = dict(dxo.data or {})
+        unknown = sorted(set(data) - set(reference))
+        if unknown:
+            raise ValueError(f"RestoreFullWeights: parameter '{unknown[0]}' is not in the global model")
+        full = {}
+        for key, ref in reference.items():
+            ref = np.asarray(ref)
+            if key not in data:
+                full[key] = ref.copy()
+            elif dxo.data_kind == DataKind.WEIGHT_DIFF:
+                full[key] = (ref + np.asarray(data[key])).astype(ref.dtype)
+            else:
+                full[key] = np.asarray(data[key])
+        left_out = len(reference) - len(data)
+        if left_out or dxo.data_kind == DataKind.WEIGHT_DIFF:
+            self.log_info(fl_ctx, f"restored full weights ({dxo.data_kind}; {left_out} parameter(s) taken from "
+                                  f"the global model)")
+        return DXO(DataKind.WEIGHTS, data=full, meta=dict(dxo.meta or {})).update_shareable(shareable)
+
+
+class MessageRecorder(Filter):
+    """Pickles every message passing through it to ``folder`` (one file per message): the site,
+    task, direction, round, return code, shareable header keys, and the DXO kind, data and meta.
+    Put it LAST in a result chain to audit what a site really sends. For tests and audits only:
+    the files hold model weights.
+
+    Args:
+        folder: where to write ``<site>_<task>_<n>.pkl`` (created).
+    """
+
+    _counter = itertools.count()
+    _lock = threading.Lock()
+
+    def __init__(self, folder: str):
+        super().__init__()
+        if not folder:
+            raise ValueError("MessageRecorder needs a folder")
+        self.folder = folder
+
+    def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
+        site = fl_ctx.get_identity_name() or shareable.get_peer_prop(ReservedKey.IDENTITY_NAME, "?")
+        task = fl_ctx.get_prop(FLContextKey.TASK_NAME, "?")
+        record = {"site": site, "task": task, "direction": fl_ctx.get_prop(FLContextKey.FILTER_DIRECTION, "?"),
+                  "round": shareable.get_header(AppConstants.CURRENT_ROUND),
+                  "return_code": shareable.get_return_code(), "headers": sorted(map(str, shareable.keys())),
+                  "dxo": None}
+        try:
+            dxo = from_shareable(shareable)
+            record["dxo"] = {"kind": dxo.data_kind, "data": dxo.data, "meta": dict(dxo.meta or {})}
+        except Exception as e:  # error replies carry no DXO: record that, never fail the task
+            record["error"] = str(e)
+        os.makedirs(self.folder, exist_ok=True)
+        with self._lock:
+            n = next(self._counter)
+        path = os.path.join(self.folder, f"{site}_{task}_{os.getpid()}_{n:05d}.pkl")
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(record, f)
+        os.replace(path + ".tmp", path)
+        return shareable
+
+
+def load_recorded(folder: str) -> List[dict]:
+    """All messages a :class:`MessageRecorder` wrote to ``folder``, in file-name order."""
+    out = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.endswith(".pkl"):
+            with open(os.path.join(folder, name), "rb") as f:
+                out.append(pickle.load(f))
+    return out
+
+
+def add_result_filter(client_config: dict, filter_spec: dict, tasks=("train", "submit_model", "validate"),
+                      last: bool = True) -> dict:
+    """Put ``filter_spec`` ({"path", "args"}) in the client's result chain of each task, appended
+    to the chain that already covers the task (FLARE allows one chain per task) or in a new one.
+
+    Args:
+        client_config: a loaded ``config_fed_client.json`` (edited in place and returned).
+        filter_spec: ``{"path": ..., "args": {...}}``.
+        tasks: task names.
+        last: append (True) or prepend to an existing chain.
+    """
+    chains = client_config.setdefault("task_result_filters", [])
+    left = list(tasks)
+    for chain in chains:
+        if chain.get("direction", "out").lower() not in ("out", "inout"):
+            continue
+        covered = [t for t in chain.get("tasks", []) if t in left]
+        if covered:
+            filters = chain.setdefault("filters", [])
+            filters.append(dict(filter_spec)) if last else filters.insert(0, dict(filter_spec))
+            left = [t for t in left if t not in covered]
+    if left:
+        chains.append({"tasks": left, "filters": [dict(filter_spec)]})
+    return client_config

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The whole one-machine demo in one command: synthetic data -> site files -> POC system ->
+# job -> downloaded global model -> test-set metrics -> everything stopped.
+#
+#   poc/run_demo.sh STATE_DIR [JOB] [--sites N] [--rounds R] [--set key=value]...
+#
+#   STATE_DIR  every file of the run goes here (data, kits, logs, results, HOME, TMPDIR)
+#   JOB        a job of jobs/ (default fedavg); its task picks the synthetic data
+#   --sites    number of hospital sites (default 3)
+#   --rounds   FL rounds (default 3)
+#   --set      further job settings (e.g. --set rule_args.lr=0.01)
+#
+# The POC system is stopped on exit, also after an error or Ctrl-C; no process is left behind.
+DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$DIR/common.sh"
+poc_init "${1:-}"; shift || true
+JOB=fedavg
+if [[ $# -gt 0 && "$1" != --* ]]; then JOB="$1"; shift; fi
+SITES=3; ROUNDS=3; SETS=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --sites) SITES="$2"; shift 2;;
+    --rounds) ROUNDS="$2"; shift 2;;
+    --set) SETS+=(--set "$2"); shift 2;;
+    *) poc_die "unknown argument '$1' (see the header of $0)";;
+  esac
+done
+JOB_DIR="$JOB"; [[ -d "$JOB_DIR" ]] || JOB_DIR="$DIR/../jobs/$JOB"
+[[ -f "$JOB_DIR/meta.json" ]] || poc_die "no job '$JOB' (looked for $JOB_DIR/meta.json)"
+T0=$SECONDS
+step() { echo; echo "== [$((SECONDS - T0)) s] $*"; }
+
+step "1/6 synthetic data and $SITES site files in $STATE/data"
+TASK="$("$PYTHON" -m fedpartial.deploy job-task "$JOB_DIR")"
+rm -rf "$STATE/data"; mkdir -p "$STATE/data"
+"$PYTHON" -m fedpartial synthetic --task "$TASK" --out "$STATE/data/source.npz" >/dev/null
+"$PYTHON" -m fedpartial split "$STATE/data/source.npz" --sites "$SITES" --out "$STATE/data/sites" --seed 0
+mapfile -t DATA_SETS < <("$PYTHON" -m fedpartial.deploy data-overrides "$STATE/data/sites")
+
+step "2/6 POC kits for $SITES sites"
+"$DIR/stop.sh" "$STATE" >/dev/null 2>&1 || true   # a previous run's system, if any
+"$DIR/prepare.sh" "$STATE" --sites "$SITES" >/dev/null
+
+cleanup() {
+  local rc=$?
+  step "6/6 stopping the POC system"
+  "$DIR/stop.sh" "$STATE" || rc=1
+  exit $rc
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+step "3/6 starting server and sites"
+"$DIR/start.sh" "$STATE" | tail -n 4
+
+step "4/6 running $(basename "$JOB_DIR") ($ROUNDS rounds)"
+ARGS=(--data-root "$STATE/data/sites" --set "num_rounds=$ROUNDS")
+for s in "${DATA_SETS[@]}"; do ARGS+=(--set "$s"); done
+"$DIR/run_job.sh" "$STATE" "$JOB_DIR" "${ARGS[@]}" "${SETS[@]}" | tee "$STATE/run_job.out"
+RESULT="$(sed -n 's/^job .*: .*; result in //p' "$STATE/run_job.out" | tail -n 1)"
+MODEL="$("$PYTHON" -m fedpartial.deploy results "$RESULT" | "$PYTHON" -c 'import json,sys; print(json.load(sys.stdin)["global_model"] or "")')"
+[[ -n "$MODEL" ]] || poc_die "no global_model.pt in $RESULT"
+
+step "5/6 metrics of the final global model on the test split of $STATE/data/source.npz"
+"$PYTHON" -m fedpartial evaluate --model "$MODEL" --data "$STATE/data/source.npz" --split test \
+  | tee "$STATE/final_metrics.json"
+echo
+echo "global model: $MODEL"
+echo "per-round server metrics: $(dirname "$MODEL")/metrics.json"
+echo "TensorBoard (every site's curves): tensorboard --logdir $NVFLARE_POC_WORKSPACE"

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Start the server and every site of the POC system in STATE_DIR and wait until all sites are
+# connected (about 10-15 s).   poc/start.sh STATE_DIR [--timeout SECONDS]
+DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$DIR/common.sh"
+poc_init "${1:-}"; shift || true
+TIMEOUT=90
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --timeout) TIMEOUT="$2"; shift 2;;
+    *) poc_die "unknown argument '$1'";;
+  esac
+done
+poc_prod_dir >/dev/null
+# its own session: the site daemons do not belong to the caller's terminal / process group
+setsid "$PYTHON" -m nvflare.cli poc start --timeout "$TIMEOUT" </dev/null

@@ -1,0 +1,101 @@
+"""POC mode through the poc/ scripts: poc/run_demo.sh makes synthetic site files, prepares and starts a
+2-site POC system, packages jobs/fedavg (code in app/custom), submits it with the nvflare job CLI, waits,
+downloads the result, evaluates the global model and stops everything. Also: the leftover-process
+sweep that poc/stop.sh relies on."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedpartial import deploy
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(tmp_path: Path) -> dict:
+    env = dict(os.environ)
+    env.update(HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"), PYTHON=sys.executable)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    for d in ("home", "tmp"):
+        (tmp_path / d).mkdir(exist_ok=True)
+    return env
+
+
+@pytest.fixture
+def poc_state(tmp_path):
+    """The demo's state folder; whatever happens, the POC system is stopped and no process of it is left."""
+    state = tmp_path / "state"
+    yield state
+    if state.exists():
+        subprocess.run(["bash", str(REPO / "poc" / "stop.sh"), str(state)], env=_env(tmp_path),
+                       capture_output=True, timeout=120)
+    deploy.kill_workspace_processes(str(tmp_path))
+    assert not deploy.live_workspace_processes(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_run_demo_runs_fedavg_in_poc_and_downloads_the_result(poc_state, tmp_path):
+    from fedpartial.models.io import load_model_file
+
+    cmd = ["bash", str(REPO / "poc" / "run_demo.sh"), str(poc_state), "fedavg", "--sites", "2", "--rounds", "2",
+           "--set", "model.arch_args.width=8", "--set", "rule_args.batch_size=32", "--set", "device=cpu"]
+    proc = subprocess.Popen(cmd, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"run_demo.sh took over 300 s:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+
+    # the demo stopped its own system: nothing of the state folder runs any more
+    assert not deploy.live_workspace_processes(str(poc_state)), out[-2000:]
+    # POC state stayed in the state folder
+    assert (poc_state / "home" / ".nvflare" / "config.conf").is_file()
+    assert (poc_state / "poc" / "jobs-storage").is_dir()
+
+    packaged = poc_state / "jobs" / "fedavg"
+    assert (packaged / "app" / "custom" / "fedpartial" / "__init__.py").is_file()  # bring-your-own-code
+    server_cfg = json.loads((packaged / "app" / "config" / "config_fed_server.json").read_text())
+    assert server_cfg["num_rounds"] == 2 and server_cfg["min_clients"] == 2
+
+    results = list((poc_state / "results" / "fedavg").iterdir())
+    assert len(results) == 1, results
+    found = deploy.find_results(str(results[0]))
+    assert found["global_model"] and found["metrics"], found
+    _, meta = load_model_file(found["global_model"])
+    rounds = json.loads(Path(found["metrics"]).read_text())["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1]
+    assert sorted(rounds[-1]["sites"]) == ["site-1", "site-2"]
+
+    final = json.loads((poc_state / "final_metrics.json").read_text())
+    assert final["model"] == os.path.abspath(found["global_model"]) and final["split"] == "test" and final["n"] > 0
+
+
+def test_leftover_sweep_kills_flare_processes_of_the_folder_only(tmp_path):
+    """A process whose command line names the folder and looks like FLARE is found and killed; one of
+    another folder, and a non-FLARE process naming the folder, are left alone."""
+    sleeper = "import time, sys; time.sleep(60)"
+    mine = subprocess.Popen([sys.executable, "-c", sleeper, "nvflare", str(tmp_path / "poc" / "site-1")],
+                            start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", sleeper, "nvflare", str(tmp_path) + "_other/site-1"],
+                             start_new_session=True)
+    editor = subprocess.Popen([sys.executable, "-c", sleeper, str(tmp_path / "notes.txt")], start_new_session=True)
+    try:
+        time.sleep(0.2)
+        found = deploy.workspace_processes(str(tmp_path))
+        assert mine.pid in found and other.pid not in found and editor.pid not in found
+        killed = deploy.kill_workspace_processes(str(tmp_path))
+        assert set(killed) == {mine.pid}
+        assert mine.wait(timeout=5) == -signal.SIGKILL
+        assert other.poll() is None and editor.poll() is None
+    finally:
+        for p in (mine, other, editor):
+            p.kill()
+            p.wait()
