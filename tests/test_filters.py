@@ -196,3 +196,46 @@ def test_recorder_writes_what_passes_and_add_result_filter_appends_last(tmp_path
     chains = config["task_result_filters"]
     assert [f["path"] for f in chains[0]["filters"]] == ["a.A", "b.B"]  # appended after the existing one
     assert chains[1] == {"tasks": ["submit_model", "validate"], "filters": [{"path": "b.B", "args": {}}]}
+
+
+@pytest.mark.slow
+def test_privacy_filters_in_a_job_config(tmp_path):
+    """fedlsm with, on every site's train result: StatisticsPrivacyFilter (k = 5, noise on the
+    counts) -> SendWeightDiff -> PercentilePrivacy -> ExcludeVars(fc.bias); on the server
+    RestoreFullWeights. The job runs 2 rounds with no rejected update, the statistics still reach
+    the server rule, and the recorded wire messages are weight DIFFs without fc.bias."""
+    import json
+    from pathlib import Path
+
+    from test_privacy import METHODS, REPO, write_sites
+    from fedpartial.jobtools import simulate
+
+    filters = [{"path": "fedpartial.flare.filters.StatisticsPrivacyFilter",
+                "args": {"preset": "fedlsm", "min_count": 5, "noise_sigma": {"class_counts": 2.0}}},
+               {"path": "fedpartial.flare.filters.SendWeightDiff", "args": {}},
+               {"path": "nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",
+                "args": {"percentile": 10, "gamma": 0.1}},
+               {"path": "nvflare.app_common.filters.exclude_vars.ExcludeVars", "args": {"exclude_vars": ["fc.bias"]}},
+               {"path": "fedpartial.flare.filters.MessageRecorder", "args": {"folder": str(tmp_path / "wire")}}]
+    sets = [*METHODS["fedlsm"][2], "num_rounds=2",
+            "client.task_data_filters=" + json.dumps([{"tasks": ["train"], "filters": [
+                {"path": "fedpartial.flare.filters.SendWeightDiff", "args": {}}]}]),
+            "client.task_result_filters=" + json.dumps([{"tasks": ["train"], "filters": filters}]),
+            "server.task_result_filters=" + json.dumps([{"tasks": ["train"], "filters": [
+                {"path": "fedpartial.flare.filters.RestoreFullWeights", "args": {}}]}])]
+    write_sites(tmp_path / "sites", "mismatch")
+    summary = simulate(str(REPO / "jobs" / "fedlsm"), str(tmp_path / "sites"), str(tmp_path / "ws"), sets,
+                       timeout=240, log=lambda m: None)
+    assert summary["exit_code"] == 0, summary["errors"]
+    rounds = json.loads((Path(summary["workspace"]) / "metrics.json").read_text())["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1] and not any(r["rejected"] for r in rounds)
+    assert all(set(r["sites"]) == {"site-1", "site-2"} for r in rounds)
+    records = [r for r in load_recorded(str(tmp_path / "wire")) if r["task"] == "train"]
+    assert len(records) == 4
+    for rec in records:
+        assert rec["dxo"]["kind"] == DataKind.WEIGHT_DIFF and "fc.bias" not in rec["dxo"]["data"]
+        counts = rec["dxo"]["meta"][SITE_STATS]["class_counts"]
+        assert np.all(np.asarray(counts) >= 0)
+    log = (Path(summary["workspace"]) / "simulator.log").read_text(errors="replace")
+    assert "site statistics filtered (min_count=5)" in log
+    assert "restored full weights (from weight diff; 1 parameter(s) taken from the global model)" in log

@@ -72,7 +72,7 @@ for _m in range(4):
     # FedIA, paper setting: site k (0..3) keeps (20k - 10m + 40) % of its lesions.
     SUITES[f"fedia-dsb-m{_m}"] = Suite(
         "dsb2018_nuclei_256.npz", "incomplete-masks",
-        {"completeness": ",".join(str((20 * k - 10 * _m + 40) / 100) for k in range(4))}, 4, "fedia", "fedavg_seg",
+        {"completeness": [(20 * k - 10 * _m + 40) / 100 for k in range(4)]}, 4, "fedia", "fedavg_seg",
         "fedavg_seg_full", metrics=["dice", "iou"],
         overrides={"cpu": ["num_rounds=30", "model.input_size=[64,64]"], "gpu": ["num_rounds=100",
                                                                             "model.input_size=[256,256]"]})

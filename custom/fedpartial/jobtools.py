@@ -179,7 +179,8 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
     env.setdefault("FEDPARTIAL_THREADS", "1" if len(sites) > 1 else "")
     if not env["FEDPARTIAL_THREADS"]:
         env.pop("FEDPARTIAL_THREADS")
-    env.setdefault("TMPDIR", workspace)
+    env.setdefault("TMPDIR", os.path.join(workspace, "tmp"))
+    os.makedirs(env["TMPDIR"], exist_ok=True)
     log(f"simulating {os.path.basename(job_dir.rstrip('/'))} with {len(sites)} sites: {', '.join(sites)}")
     started = time.time()
     with open(os.path.join(workspace, "simulator.log"), "w") as out:

@@ -34,13 +34,13 @@ DEMO_SETS = [f"model.class_names={json.dumps(DEMO_CLASSES)}", "model.input_size=
              "rule_args.lr=0.001", "rule_args.strong_view=flip", "rule_args.ude_pairs=4"]
 
 
-def _demo_split(n: int, rng: np.random.Generator, noise: float = 45.0) -> Split:
+def _demo_split(n: int, rng: np.random.Generator, noise: float = 40.0, signal: float = 60.0) -> Split:
     """Class c brightens its own 4x4 tile of a 16x16 grey image, faintly under heavy noise, so
-    that a few rounds give an AUC well below 1 (room to see a difference)."""
+    that a few rounds give an AUC below 1 (room to see a difference)."""
     labels = np.eye(len(DEMO_CLASSES), dtype=np.float32)[rng.integers(0, len(DEMO_CLASSES), n)]
     images = rng.normal(90, noise, size=(n, 16, 16))
     for c in range(len(DEMO_CLASSES)):
-        images[labels[:, c] > 0, 4 * c:4 * c + 4, 4 * c:4 * c + 4] += 40
+        images[labels[:, c] > 0, 4 * c:4 * c + 4, 4 * c:4 * c + 4] += signal
     return Split(np.clip(images, 0, 255).astype(np.uint8), labels, np.ones_like(labels, dtype=bool))
 
 

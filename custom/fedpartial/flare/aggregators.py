@@ -2,6 +2,7 @@
 round's valid updates to the method's ServerRule (the whole server rule lives there)."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Dict, List
 
@@ -131,11 +132,15 @@ class RuleAggregator(Aggregator):
 
     def _record(self, fl_ctx: FLContext, round_num: int) -> None:
         """Append this round's per-site metrics to metrics.json in the server's run folder."""
+        run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
+        path = os.path.join(run_dir, METRICS_FILE)
+        if not self.history and os.path.isfile(path):  # a server resumed from a snapshot keeps earlier rounds
+            with open(path) as f:
+                self.history = [r for r in json.load(f).get("rounds", []) if r.get("round", -1) < round_num]
         self.history.append({"round": round_num,
                              "sites": {u.site: {"num_samples": u.num_samples, **u.metrics} for u in self.updates},
                              "rejected": dict(self.rejected)})
-        run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
-        atomic_write_json(os.path.join(run_dir, METRICS_FILE), {"rounds": self.history})
+        atomic_write_json(path, {"rounds": self.history})
 
     def reset(self, fl_ctx: FLContext):
         self.updates = []

@@ -97,6 +97,7 @@ class FedPartialExecutor(Executor):
         self.writer = None
         self.local_weights = None
         self.ready = False
+        self.setup_error = "set-up did not run"
 
     # ---- set-up ---------------------------------------------------------------------------
     def handle_event(self, event_type: str, fl_ctx: FLContext):
@@ -104,8 +105,11 @@ class FedPartialExecutor(Executor):
             try:
                 self._setup(fl_ctx)
             except Exception as e:  # a bad data file must stop this site with a clear message
+                # No system_panic: a panicked site stops asking for tasks and the server would wait
+                # for it forever. Unready, it answers every task with EXECUTION_EXCEPTION, so the
+                # workflow drops it (min_clients still reachable) or stops the job clearly.
+                self.setup_error = str(e)
                 self.log_error(fl_ctx, f"site set-up failed: {e}")
-                self.system_panic(f"site set-up failed: {e}", fl_ctx)
         elif event_type == EventType.END_RUN and self.writer is not None:
             self.writer.close()
 
@@ -153,7 +157,7 @@ class FedPartialExecutor(Executor):
     # ---- tasks ----------------------------------------------------------------------------
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
         if not self.ready:
-            self.log_error(fl_ctx, "site is not set up (see the set-up error above)")
+            self.log_error(fl_ctx, f"site '{self.site}' is not set up: {self.setup_error}")
             return make_reply(ReturnCode.EXECUTION_EXCEPTION)
         self._abort_signal = abort_signal
         try:

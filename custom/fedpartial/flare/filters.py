@@ -288,7 +288,8 @@ class RestoreFullWeights(Filter):
                 full[key] = np.asarray(data[key])
         left_out = len(reference) - len(data)
         if left_out or dxo.data_kind == DataKind.WEIGHT_DIFF:
-            self.log_info(fl_ctx, f"restored full weights ({dxo.data_kind}; {left_out} parameter(s) taken from "
+            kind = "weight diff" if dxo.data_kind == DataKind.WEIGHT_DIFF else "weights"
+            self.log_info(fl_ctx, f"restored full weights (from {kind}; {left_out} parameter(s) taken from "
                                   f"the global model)")
         return DXO(DataKind.WEIGHTS, data=full, meta=dict(dxo.meta or {})).update_shareable(shareable)
 
