@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The whole one-machine demo in one command: synthetic data -> site files -> POC system ->
+# The whole one-machine demo in one command: data (HAM10000 from ../shared/data for single-label
+# jobs when present, else built-in synthetic) -> site files -> POC system ->
 # job -> downloaded global model -> test-set metrics -> everything stopped.
 #
 #   poc/run_demo.sh STATE_DIR [JOB] [--sites N] [--rounds R] [--set key=value]...
 #
 #   STATE_DIR  every file of the run goes here (data, kits, logs, results, HOME, TMPDIR)
-#   JOB        a job of jobs/ (default fedavg); its task picks the synthetic data
+#   JOB        a job of jobs/ (default fedavg); its task and method pick the data and scenario
 #   --sites    number of hospital sites (default 3)
 #   --rounds   FL rounds (default 3)
 #   --set      further job settings (e.g. --set rule_args.lr=0.01)
@@ -30,11 +31,10 @@ JOB_DIR="$JOB"; [[ -d "$JOB_DIR" ]] || JOB_DIR="$DIR/../jobs/$JOB"
 T0=$SECONDS
 step() { echo; echo "== [$((SECONDS - T0)) s] $*"; }
 
-step "1/6 synthetic data and $SITES site files in $STATE/data"
-TASK="$("$PYTHON" -m fedpartial.deploy job-task "$JOB_DIR")"
+step "1/6 site files for $SITES sites in $STATE/data"
 rm -rf "$STATE/data"; mkdir -p "$STATE/data"
-"$PYTHON" -m fedpartial synthetic --task "$TASK" --out "$STATE/data/source.npz" >/dev/null
-"$PYTHON" -m fedpartial split "$STATE/data/source.npz" --sites "$SITES" --out "$STATE/data/sites" --seed 0
+SOURCE="$("$PYTHON" -m fedpartial.deploy demo-data "$JOB_DIR" --out "$STATE/data" --sites "$SITES")"
+echo "source: $SOURCE"; cat "$STATE/data/sites/split_summary.md"
 mapfile -t DATA_SETS < <("$PYTHON" -m fedpartial.deploy data-overrides "$STATE/data/sites")
 
 step "2/6 POC kits for $SITES sites"
@@ -61,8 +61,8 @@ RESULT="$(sed -n 's/^job .*: .*; result in //p' "$STATE/run_job.out" | tail -n 1
 MODEL="$("$PYTHON" -m fedpartial.deploy results "$RESULT" | "$PYTHON" -c 'import json,sys; print(json.load(sys.stdin)["global_model"] or "")')"
 [[ -n "$MODEL" ]] || poc_die "no global_model.pt in $RESULT"
 
-step "5/6 metrics of the final global model on the test split of $STATE/data/source.npz"
-"$PYTHON" -m fedpartial evaluate --model "$MODEL" --data "$STATE/data/source.npz" --split test \
+step "5/6 metrics of the final global model on the test split of $SOURCE"
+"$PYTHON" -m fedpartial evaluate --model "$MODEL" --data "$SOURCE" --split test \
   | tee "$STATE/final_metrics.json"
 echo
 echo "global model: $MODEL"

@@ -90,19 +90,6 @@ def gap_closed(value: float, lower: float, upper: float) -> float:
     return float("nan") if not np.isfinite(gap) or abs(gap) < 1e-9 else (value - lower) / gap
 
 
-def dataset_overrides(data_root: str) -> List[str]:
-    """``--set`` items that fit a job's model block to the site files in ``data_root``."""
-    from fedpartial.data.sitefile import load_site_file
-    from fedpartial.jobtools import site_names
-
-    first = site_names(data_root)[0]
-    data = load_site_file(os.path.join(data_root, f"{first}.npz"))
-    images = data.splits["train"].images
-    channels = 1 if images.ndim == 3 else int(images.shape[-1])
-    return [f"model.class_names={json.dumps(list(data.class_names))}", f"model.task={data.task}",
-            f"model.in_channels={channels}"]
-
-
 def _curve(metrics_file: str, key: str) -> List[float]:
     """Mean over sites of the validation ``key`` of the model each round started from."""
     if not os.path.isfile(metrics_file):
@@ -133,7 +120,7 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
     """
     from fedpartial.data.partition import split_file
     from fedpartial.evaluation import evaluate_split  # noqa: F401  (import check before long runs)
-    from fedpartial.jobtools import simulate
+    from fedpartial.jobtools import dataset_overrides, simulate
 
     suite = SUITES[name]
     source = os.path.join(data_dir, suite.dataset)

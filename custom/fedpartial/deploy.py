@@ -315,21 +315,44 @@ def job_model(job_dir: str) -> dict:
 
 
 def data_overrides(data_root: str) -> List[str]:
-    """``--set`` overrides that fit a job's model to the site files in ``data_root`` (class names,
-    channels, image size), read from the first site file."""
-    import numpy as np
+    """``--set`` overrides fitting a job's model to the site files in ``data_root``."""
+    from fedpartial.jobtools import dataset_overrides
 
-    files = sorted(glob.glob(os.path.join(data_root, "*.npz")), key=lambda p: (len(p), p))
-    if not files:
-        raise FileNotFoundError(f"no site files (*.npz) in '{data_root}'")
-    with np.load(files[0], allow_pickle=False) as z:
-        if "train_images" not in z or "class_names" not in z:
-            raise ValueError(f"'{files[0]}' is not a site file (needs train_images and class_names)")
-        shape = z["train_images"].shape
-        names = [str(n) for n in z["class_names"].tolist()]
-    channels = shape[3] if len(shape) == 4 else 1
-    return [f"model.class_names={json.dumps(names)}", f"model.in_channels={channels}",
-            f"model.input_size={json.dumps([int(shape[1]), int(shape[2])])}"]
+    return dataset_overrides(data_root)
+
+
+def demo_data(job_dir: str, out_dir: str, sites: int, shared_data: str = "") -> str:
+    """Site files for the demo of ``job_dir``: HAM10000 from ``../shared/data`` for single-label
+    jobs when it is there, else the built-in synthetic data; the scenario follows the method.
+    Returns the source ``.npz`` (its test split is what the demo evaluates on)."""
+    from fedpartial.data import synthetic
+    from fedpartial.data.npz import save_npz
+    from fedpartial.data.partition import split_file
+
+    task = job_model(job_dir).get("task", "multi-label")
+    name = os.path.basename(os.path.abspath(job_dir))
+    shared_data = shared_data or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "..", "shared", "data")
+    ham = os.path.abspath(os.path.join(shared_data, "ham10000_28.npz"))
+    os.makedirs(out_dir, exist_ok=True)
+    if task == "single-label" and os.path.isfile(ham) and sites >= 3:
+        source, num_classes, per_site = ham, 7, 3
+    else:
+        source, num_classes, per_site = os.path.join(out_dir, "source.npz"), 5, 2
+        data = (synthetic.make_segmentation(seed=0) if task == "segmentation"
+                else synthetic.make_classification(task=task, num_classes=num_classes, seed=0))
+        save_npz(data, source)
+    if task == "segmentation":
+        options = {"scenario": "incomplete-masks", "completeness": [(0.4, 0.7, 1.0)[k % 3] for k in range(sites)]}
+    elif name.startswith("fedirm"):
+        options = {"scenario": "semi-supervised", "labelled_sites": max(1, sites // 3)}
+    elif name.startswith("fedmlp"):
+        options = {"scenario": "missing-classes", "missing_per_site": 2}
+    else:
+        options = {"scenario": "label-set-mismatch", "classes_per_site": max(per_site, -(-num_classes // sites))}
+    scenario = options.pop("scenario")
+    split_file(source, scenario, sites=sites, seed=0, out=os.path.join(out_dir, "sites"), **options)
+    return source
 
 
 # ---------------------------------------------------------------- processes
@@ -478,6 +501,10 @@ def _cmd_job_task(args):
     print(job_model(args.job).get("task", ""))
 
 
+def _cmd_demo_data(args):
+    print(demo_data(args.job, args.out, args.sites))
+
+
 def _cmd_data_overrides(args):
     print("\n".join(data_overrides(args.data_root)))
 
@@ -525,6 +552,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("job-task", help="print the task (single-label | multi-label | segmentation) of a job")
     s.add_argument("job")
     s.set_defaults(func=_cmd_job_task)
+    s = sub.add_parser("demo-data", help="make the demo's site files in OUT/sites; print the source .npz")
+    s.add_argument("job")
+    s.add_argument("--out", required=True)
+    s.add_argument("--sites", type=int, default=3)
+    s.set_defaults(func=_cmd_demo_data)
     s = sub.add_parser("data-overrides", help="print key=value settings fitting a job's model to site files")
     s.add_argument("data_root")
     s.set_defaults(func=_cmd_data_overrides)

@@ -146,6 +146,19 @@ def site_names(data_root: str) -> List[str]:
     return names
 
 
+def dataset_overrides(data_root: str) -> List[str]:
+    """``--set`` items fitting a job's model block to the site files in ``data_root`` (class
+    names, task, channels, image size), read from the first site file."""
+    from fedpartial.data.sitefile import load_site_file
+
+    first = site_names(data_root)[0]
+    data = load_site_file(os.path.join(data_root, f"{first}.npz"))
+    images = data.splits["train"].images
+    channels = 1 if images.ndim == 3 else int(images.shape[-1])
+    return [f"model.class_names={json.dumps(list(data.class_names))}", f"model.task={data.task}",
+            f"model.in_channels={channels}", f"model.input_size={json.dumps([int(images.shape[1]), int(images.shape[2])])}"]
+
+
 def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[str] = (), threads: int = 0,
              timeout: Optional[float] = None, log=print) -> dict:
     """Run a job in the FLARE simulator, one site per site file, and collect the results in

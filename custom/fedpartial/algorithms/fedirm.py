@@ -303,22 +303,14 @@ def average_relation_matrices(matrices: List[np.ndarray], counts: List[np.ndarra
 # ---------------------------------------------------------------------------------------------
 def _paper_view(rotate_deg: float, translate: float) -> Callable[[torch.Tensor], torch.Tensor]:
     """The paper's perturbation (reference code: RandomAffine(10 deg, translate 2 %) + horizontal
-    flip), as MONAI transforms applied per sample."""
-    from monai.transforms import Compose, RandAffine, RandFlip
-
-    pipelines: Dict[Tuple[int, int], Compose] = {}
+    flip), vectorised over the batch with MONAI's affine layer."""
+    from fedpartial.data.transforms import affine_batch
 
     def apply(batch: torch.Tensor) -> torch.Tensor:
-        h, w = batch.shape[-2:]
-        if (h, w) not in pipelines:  # translate_range is in pixels: built per image size
-            pipelines[(h, w)] = Compose([
-                RandFlip(prob=0.5, spatial_axis=1),
-                RandAffine(prob=1.0, rotate_range=(math.radians(rotate_deg),),
-                           translate_range=(translate * h, translate * w), padding_mode="border"),
-            ])
-            pipelines[(h, w)].set_random_state(seed=int(torch.randint(0, 2**31 - 1, ()).item()))
-        pipe = pipelines[(h, w)]
-        return torch.stack([torch.as_tensor(pipe(s)).as_subclass(torch.Tensor) for s in batch])
+        flip = torch.rand(batch.shape[0]) < 0.5
+        batch = batch.clone()
+        batch[flip] = batch[flip].flip(-1)
+        return affine_batch(batch, rotate_deg=rotate_deg, shift=translate, scale=0.0)
 
     return apply
 

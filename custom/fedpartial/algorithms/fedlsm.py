@@ -68,7 +68,7 @@ import torch.nn.functional as F
 
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
 from fedpartial.algorithms.fedavg import fedavg_weights
-from fedpartial.data.transforms import flip_batch, strong_pipeline, weak_pipeline
+from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, DataError
 from fedpartial.training.common import (EMATeacher, images_to_tensor, iteration_batches, predict, probabilities,
                                         seed_everything)
@@ -77,7 +77,7 @@ from fedpartial.training.common import (EMATeacher, images_to_tensor, iteration_
 DEFAULT_CONFIDENT_FRACTION = {SINGLE_LABEL: 200 / 1400, MULTI_LABEL: 2000 / 9500}
 DEFAULT_UNCERTAIN_FRACTION = {SINGLE_LABEL: 50 / 1400, MULTI_LABEL: 500 / 9500}
 DEFAULT_LOCAL_ITERATIONS = {SINGLE_LABEL: 30, MULTI_LABEL: 200}
-STRONG_VIEWS = ("strong", "weak", "flip", "none")
+STRONG_VIEWS = ("strong", "strong-per-sample", "weak", "flip", "none")
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -273,7 +273,7 @@ class FedLSMClient(ClientRule):
         use_ude: UDE MixUp term on.
         class_weighted_bce: multi-label: #neg/#pos positive weights.
         max_pos_weight: optional cap on those weights (None: no cap).
-        strong_view: student view: ``strong`` (MONAI pipeline), ``weak``, ``flip`` (fast flips), ``none``.
+        strong_view: student view: ``strong`` (batched MONAI affine + blur/noise/sharpen), ``strong-per-sample`` (the MONAI Compose pipeline per sample, slower), ``weak``, ``flip``, ``none``.
         eval_batch_size: batch size of the uncertainty pass.
     """
 
@@ -362,19 +362,14 @@ class FedLSMClient(ClientRule):
             self.reference_labels = torch.from_numpy(ref)
 
     def _reset_view(self, seed: int) -> None:
-        """(Re)build the student's MONAI view with a per-round seed: MONAI transforms draw from their
-        own RandomState, which ``seed_everything`` does not reach (needed for repeatable rounds)."""
-        if self.strong_view in ("strong", "weak"):
-            self._pipeline = strong_pipeline() if self.strong_view == "strong" else weak_pipeline()
-            self._pipeline.set_random_state(seed=seed)
+        """(Re)build the student's view with a per-round seed (repeatable rounds)."""
+        if self.strong_view in ("strong", "weak", "strong-per-sample"):
+            self._pipeline = make_view(self.strong_view, seed=seed)
 
     def _student_view(self, x: torch.Tensor) -> torch.Tensor:
         if self.strong_view == "flip":
             return flip_batch(x)
-        if self._pipeline is None:
-            return x
-        # Same per-sample application as data.transforms.make_view.
-        return torch.stack([torch.as_tensor(self._pipeline(sample)).as_subclass(torch.Tensor) for sample in x])
+        return x if self._pipeline is None else self._pipeline(x)
 
     def _pos_weight(self, global_stats) -> Optional[torch.Tensor]:
         if self.task != MULTI_LABEL or not self.class_weighted_bce:

@@ -65,23 +65,101 @@ class _RelativeShift:
         return torch.roll(torch.as_tensor(img), shifts=(dy, dx), dims=(-2, -1))
 
 
-def make_view(kind: str = "weak", **kwargs) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    """Return a batch view function, or None for ``none``.
+def make_view(kind: str = "weak", seed: Optional[int] = None, **kwargs) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """Return a batch view function, or None for ``none``. ``weak`` and ``strong`` are the
+    vectorised versions of :func:`weak_pipeline` / :func:`strong_pipeline` (same operations,
+    applied to the whole batch at once with MONAI's batched layers: the per-sample pipelines
+    cost most of a CPU round).
 
     Args:
-        kind: ``none``, ``weak`` or ``strong``.
-        **kwargs: passed to :func:`weak_pipeline` / :func:`strong_pipeline`.
+        kind: ``none``, ``weak``, ``strong``, or ``strong-per-sample`` (the MONAI Compose pipeline
+            sample by sample; slower, kept as the reference).
+        seed: seeds the view's own generator (repeatable rounds); None draws from torch's.
+        **kwargs: passed to :func:`strong_batch` / :func:`strong_pipeline`.
     """
-    if kind not in VIEWS:
-        raise ValueError(f"unknown augmentation view '{kind}'; choose one of {VIEWS}")
+    kinds = VIEWS + ("strong-per-sample",)
+    if kind not in kinds:
+        raise ValueError(f"unknown augmentation view '{kind}'; choose one of {kinds}")
     if kind == "none":
         return None
-    pipeline = weak_pipeline(**kwargs) if kind == "weak" else strong_pipeline(**kwargs)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator().manual_seed(int(seed))
+    if kind == "weak":
+        return lambda batch: flip_batch(batch, generator)
+    if kind == "strong":
+        return lambda batch: strong_batch(batch, generator=generator, **kwargs)
+    pipeline = strong_pipeline(**kwargs)
+    if seed is not None:
+        pipeline.set_random_state(seed=int(seed))
 
     def apply(batch: torch.Tensor) -> torch.Tensor:
         return torch.stack([torch.as_tensor(pipeline(sample)).as_subclass(torch.Tensor) for sample in batch])
 
     return apply
+
+
+def _uniform(n: int, low: float, high: float, generator) -> torch.Tensor:
+    return torch.rand(n, generator=generator) * (high - low) + low
+
+
+def affine_batch(batch: torch.Tensor, rotate_deg: float = 15.0, shift: float = 0.1, scale: float = 0.1,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Random rotation / translation / zoom of each sample of ``(N, C, H, W)``, one MONAI
+    ``AffineTransform`` call for the batch (border padding, bilinear).
+
+    Args:
+        batch: images.
+        rotate_deg: max rotation (degrees).
+        shift: max translation as a fraction of the image size.
+        scale: max relative zoom.
+        generator: torch generator for the draws.
+    """
+    import math
+
+    from monai.networks.layers import AffineTransform
+
+    n = batch.shape[0]
+    angle = _uniform(n, -math.radians(rotate_deg), math.radians(rotate_deg), generator)
+    zoom = _uniform(n, 1.0 - scale, 1.0 + scale, generator)
+    tx, ty = (_uniform(n, -2 * shift, 2 * shift, generator) for _ in range(2))  # normalised coords span 2
+    theta = torch.zeros(n, 2, 3)
+    theta[:, 0, 0] = zoom * torch.cos(angle)
+    theta[:, 0, 1] = -zoom * torch.sin(angle)
+    theta[:, 1, 0] = zoom * torch.sin(angle)
+    theta[:, 1, 1] = zoom * torch.cos(angle)
+    theta[:, 0, 2], theta[:, 1, 2] = tx, ty
+    warp = AffineTransform(normalized=True, mode="bilinear", padding_mode="border", align_corners=False)
+    return warp(batch.float(), theta.to(batch.device))
+
+
+def strong_batch(batch: torch.Tensor, rotate_deg: float = 15.0, shift: float = 0.1, scale: float = 0.1,
+                 noise_std: float = 0.1, blur_sigma=(0.25, 1.0), generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Strong view of a batch: flips, random affine, then per sample one of Gaussian blur,
+    Gaussian noise or sharpening (as :func:`strong_pipeline`, vectorised).
+
+    Args:
+        batch: ``(N, C, H, W)`` images.
+        rotate_deg / shift / scale: see :func:`affine_batch`.
+        noise_std: std of the additive noise (normalised intensity units).
+        blur_sigma: (min, max) sigma of the Gaussian blur, in pixels.
+        generator: torch generator for the draws.
+    """
+    from monai.networks.layers import GaussianFilter
+
+    out = affine_batch(flip_batch(batch, generator), rotate_deg, shift, scale, generator)
+    choice = torch.randint(0, 3, (out.shape[0],), generator=generator)
+    sigma = float(_uniform(1, blur_sigma[0], blur_sigma[1], generator))
+    blur = GaussianFilter(spatial_dims=2, sigma=sigma)
+    if (choice == 0).any():
+        out[choice == 0] = blur(out[choice == 0])
+    if (choice == 1).any():
+        picked = out[choice == 1]
+        out[choice == 1] = picked + noise_std * torch.randn(picked.shape, generator=generator)
+    if (choice == 2).any():
+        picked = out[choice == 2]
+        out[choice == 2] = picked + (picked - blur(picked))  # unsharp mask
+    return out
 
 
 def flip_batch(batch: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
