@@ -118,12 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.set_defaults(func=_cmd_synthetic)
 
-    try:
-        from fedpartial.bench import add_bench_parser
+    from fedpartial.bench import add_bench_parser
+    from fedpartial.throughput import add_throughput_parser
 
-        add_bench_parser(sub)
-    except ImportError:
-        pass
+    add_bench_parser(sub)
+    add_throughput_parser(sub)
     return p
 
 

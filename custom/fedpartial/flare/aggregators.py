@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Dict, List
 
 import numpy as np
@@ -19,6 +20,15 @@ from fedpartial.algorithms.base import ServerContext, SiteUpdate
 from fedpartial.flare.common import GLOBAL_STATS, SITE_METRICS, SITE_STATS, atomic_write_json, build_rule
 
 METRICS_FILE = "metrics.json"
+
+
+def payload_bytes(values) -> int:
+    """Bytes of the numbers in a weights / statistics dict (what a site sends beside metadata)."""
+    if isinstance(values, dict):
+        return sum(payload_bytes(v) for v in values.values())
+    if isinstance(values, (list, tuple)):
+        return sum(payload_bytes(v) for v in values)
+    return int(np.asarray(values).nbytes) if isinstance(values, (np.ndarray, np.generic, int, float)) else 0
 
 
 def check_weights(weights, reference: Dict[str, np.ndarray]) -> None:
@@ -137,8 +147,10 @@ class RuleAggregator(Aggregator):
         if not self.history and os.path.isfile(path):  # a server resumed from a snapshot keeps earlier rounds
             with open(path) as f:
                 self.history = [r for r in json.load(f).get("rounds", []) if r.get("round", -1) < round_num]
-        self.history.append({"round": round_num,
-                             "sites": {u.site: {"num_samples": u.num_samples, **u.metrics} for u in self.updates},
+        self.history.append({"round": round_num, "aggregated_at": time.time(),
+                             "sites": {u.site: {"num_samples": u.num_samples, **u.metrics,
+                                                "bytes_weights": payload_bytes(u.weights),
+                                                "bytes_stats": payload_bytes(u.stats)} for u in self.updates},
                              "rejected": dict(self.rejected)})
         atomic_write_json(path, {"rounds": self.history})
 
