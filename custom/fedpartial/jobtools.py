@@ -192,6 +192,9 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
     env.setdefault("FEDPARTIAL_THREADS", "1" if len(sites) > 1 else "")
     if not env["FEDPARTIAL_THREADS"]:
         env.pop("FEDPARTIAL_THREADS")
+    # The simulator deletes its temporary job copy while client processes may still be writing
+    # __pycache__ into the carried code ("Directory not empty"): no bytecode files.
+    env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     env.setdefault("TMPDIR", os.path.join(workspace, "tmp"))
     os.makedirs(env["TMPDIR"], exist_ok=True)
     log(f"simulating {os.path.basename(job_dir.rstrip('/'))} with {len(sites)} sites: {', '.join(sites)}")
