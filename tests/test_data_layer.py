@@ -258,7 +258,7 @@ def test_keep_lesions_removes_whole_components():
 
 def test_incomplete_masks_scenario(tmp_path):
     data = make_segmentation(n_train=20, n_val=4, n_test=4, size=32, seed=1)
-    summary = split_file_from(data, tmp_path, "incomplete-masks", sites=2, completeness=[0.5, 100])
+    summary = split_file_from(data, tmp_path, "incomplete-masks", sites=2, completeness=[50, 100])
     full = summary["per_site"]["site-2"]
     assert full["lesions_kept"] == full["lesions_total"]
     half = summary["per_site"]["site-1"]

@@ -99,3 +99,42 @@ def test_leftover_sweep_kills_flare_processes_of_the_folder_only(tmp_path):
         for p in (mine, other, editor):
             p.kill()
             p.wait()
+
+
+METHOD_SETTINGS = {
+    "fedlsm": ["rule_args.local_epochs=0.3", "model.arch_args.width=8"],
+    "fedmlp": ["rule_args.warmup_rounds=1", "model.arch_args.width=8"],
+    "fedirm": ["rule_args.mc_passes=2", "model.arch_args.width=8"],
+    "fedia": ["rule_args.warmup_rounds=2", "num_rounds=3", "model.input_size=[32,32]"],
+}
+
+
+@pytest.mark.slow
+def test_every_method_job_runs_in_poc(poc_state, tmp_path):
+    """One POC system (3 sites); each method job is packaged, submitted by poc/run_job.sh, finished,
+    and its downloaded global model loads."""
+    from fedpartial.models.io import load_model_file
+
+    env = _env(tmp_path)
+
+    def sh(*args, timeout=300):
+        done = subprocess.run(["bash", *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, (args, done.stdout[-3000:], done.stderr[-3000:])
+        return done.stdout
+
+    sh(REPO / "poc" / "prepare.sh", poc_state, "--sites", "3")
+    sh(REPO / "poc" / "start.sh", poc_state)
+    for job, settings in METHOD_SETTINGS.items():
+        data = poc_state / f"data_{job}"
+        deploy.demo_data(str(REPO / "jobs" / job), str(data), sites=3)
+        settings = [*deploy.data_overrides(str(data / "sites")), "num_rounds=2", "device=cpu", *settings]
+        rounds = int([s for s in settings if s.startswith("num_rounds=")][-1].split("=")[1])
+        sets = [x for s in settings for x in ("--set", s)]
+        out = sh(REPO / "poc" / "run_job.sh", poc_state, job, "--data-root", data / "sites", *sets, "--timeout", "400",
+                 timeout=480)
+        results = list((poc_state / "results" / job).iterdir())
+        found = deploy.find_results(str(results[0]))
+        assert found["global_model"], (job, out[-2000:])
+        _, meta = load_model_file(found["global_model"])
+        assert meta["round"] == rounds - 1, (job, meta.get("round"))
+    sh(REPO / "poc" / "stop.sh", poc_state)

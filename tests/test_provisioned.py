@@ -1,6 +1,6 @@
 """End-to-end on a provisioned one-machine system (mutual TLS, startup kits, roles):
 
-* a lead submits the real jobs/fedavg job (bring-your-own-code, 2 rounds, tiny synthetic data) through
+* a lead submits the real jobs/fedlsm job (bring-your-own-code, 2 rounds, tiny synthetic data) through
   the admin API; it finishes, the result downloads, the global model loads and metrics.json has 2 rounds;
 * an org_admin may not submit (no submit / byoc right);
 * re-provisioning with a site added keeps the root CA (fast, no system started);
@@ -44,13 +44,18 @@ def _write_sites(out: Path, rng) -> None:
             images[labels[:, c] > 0, 4 * c:4 * c + 4, 4 * c:4 * c + 4] += 150
         return np.clip(images, 0, 255).astype(np.uint8), labels
 
-    for site in SITES:
+    for k, site in enumerate(SITES):
         images, labels = learnable(32)
         val_images, val_labels = learnable(16)
-        data = Dataset(SINGLE_LABEL, CLASSES, {"train": Split(images, labels, np.ones_like(labels, dtype=bool)),
+        # label-set mismatch: site-1 annotates the first half of the classes, site-2 the rest
+        annotated = np.zeros(len(CLASSES), bool)
+        annotated[k * len(CLASSES) // 2:(k + 1) * len(CLASSES) // 2] = True
+        mask = np.repeat(annotated[None], len(labels), axis=0)
+        labels = labels * mask
+        data = Dataset(SINGLE_LABEL, CLASSES, {"train": Split(images, labels, mask),
                                                "val": Split(val_images, val_labels,
                                                             np.ones_like(val_labels, dtype=bool))},
-                       source="synthetic", site=site, info={"scenario": "complete"})
+                       source="synthetic", site=site, info={"scenario": "label-set-mismatch"})
         sitefile.write_site_file(str(out / f"{site}.npz"), data)
 
 
@@ -110,7 +115,7 @@ def _session(kit: str, timeout: float = 30):
 
 
 @pytest.mark.slow
-def test_lead_runs_fedavg_over_mtls_and_downloads_the_model(system, tmp_path):
+def test_lead_runs_fedlsm_over_mtls_and_downloads_the_model(system, tmp_path):
     from fedpartial.jobtools import package_job
     from fedpartial.models.io import load_model_file
 
@@ -120,7 +125,7 @@ def test_lead_runs_fedavg_over_mtls_and_downloads_the_model(system, tmp_path):
     overrides = ["num_rounds=2", "server.min_clients=2", f"model.class_names={json.dumps(CLASSES)}",
                  "model.input_size=[16,16]", "model.in_channels=3", "model.arch_args.width=8",
                  "rule_args.batch_size=16", "device=cpu"]
-    job = package_job(str(REPO / "jobs" / "fedavg"), str(tmp_path / "fedavg"), overrides, data_root=str(data_root))
+    job = package_job(str(REPO / "jobs" / "fedlsm"), str(tmp_path / "fedlsm"), overrides, data_root=str(data_root))
     assert os.path.isdir(os.path.join(job, "app", "custom", "fedpartial")), "code must travel with the job (byoc)"
 
     session = _session(system["kits"]["lead"])
@@ -137,9 +142,9 @@ def test_lead_runs_fedavg_over_mtls_and_downloads_the_model(system, tmp_path):
     rounds = json.loads(Path(result["metrics"]).read_text())["rounds"]
     assert [r["round"] for r in rounds] == [0, 1]  # num_rounds=2
     for r in rounds:
-        # both sites' updates reached the server: 32 training samples each
+        # both sites' updates reached the server, with FedLSM's class counts
         assert sorted(r["sites"]) == SITES
-        assert all(r["sites"][s]["num_samples"] == 32 for s in SITES)
+        assert all(r["sites"][s]["num_samples"] > 0 and r["sites"][s]["bytes_stats"] > 0 for s in SITES)
     # cross-site evaluation: each site validated the global model and both sites' local models
     cross = json.loads(Path(result["cross_site_val"]).read_text())
     assert sorted(cross) == SITES

@@ -16,6 +16,8 @@ from fedpartial.data.types import MULTI_LABEL, SEGMENTATION, SINGLE_LABEL, DataE
 SPLITS = ("train", "val", "test")
 # Files whose slices are stored upside down (see ../shared/data/README.md).
 _FLIPPED_SOURCES = ("covid_semiseg",)
+# Written by save_npz once slices are upright, so a re-saved COVID file is not flipped twice.
+UPRIGHT_KEY = "slices_upright"
 
 
 def open_npz(path: str) -> Dict[str, np.ndarray]:
@@ -71,8 +73,8 @@ def classification_labels(raw: np.ndarray, num_classes: int, path: str, key: str
     if raw.shape[1] != num_classes:
         raise DataError(f"'{path}': '{key}' has {raw.shape[1]} columns but there are {num_classes} class names")
     if not np.isin(raw, (0, 1)).all():
-        bad = np.argwhere(~np.isin(raw, (0, 1)))[0]
-        raise DataError(f"'{path}': '{key}' entry {tuple(bad)} is {raw[tuple(bad)]}; multi-label labels must be 0/1")
+        bad = tuple(int(i) for i in np.argwhere(~np.isin(raw, (0, 1)))[0])
+        raise DataError(f"'{path}': '{key}' entry {bad} is {raw[bad]}; multi-label labels must be 0/1")
     return raw.astype(np.float32), MULTI_LABEL
 
 
@@ -101,13 +103,17 @@ def load_npz(path: str) -> Dataset:
     segmentation = any(k.endswith("_masks") for k in arrays)
     if "train_images" not in arrays:
         raise DataError(f"'{path}' lacks 'train_images' (keys: {sorted(arrays)})")
+    label_count = None
+    if not segmentation and "label_names" not in arrays:
+        # official MedMNIST files carry no names: C = largest class index of any split + 1
+        label_count = _count_classes(arrays, path)
     splits = {}
     class_names = None
     task = SEGMENTATION if segmentation else None
     if segmentation:
         names = _names(arrays, "class_names", None, path) if "class_names" in arrays else ["background", "lesion"]
         class_names = names[1:] if names and names[0].lower() == "background" else names
-    flip = any(s in os.path.basename(path) for s in _FLIPPED_SOURCES)
+    flip = any(s in os.path.basename(path) for s in _FLIPPED_SOURCES) and UPRIGHT_KEY not in arrays
     for split in SPLITS:
         if f"{split}_images" not in arrays:
             continue
@@ -124,15 +130,20 @@ def load_npz(path: str) -> Dataset:
         if segmentation:
             if raw.shape != images.shape[:3]:
                 raise DataError(f"'{path}': '{label_key}' has shape {raw.shape}, images are {images.shape[:3]}")
+            if raw.dtype.kind not in "biu":
+                raise DataError(f"'{path}': '{label_key}' has dtype {raw.dtype}; masks hold integer class or "
+                                f"instance ids")
             if raw.min(initial=0) < 0:
                 raise DataError(f"'{path}': '{label_key}' has negative ids")
+            lesions = _optional(arrays, split, "n_lesions")
+            if lesions is not None and len(lesions) != len(raw):
+                raise DataError(f"'{path}': '{split}_n_lesions' has {len(lesions)} entries for {len(raw)} masks")
             labels = raw
-            if flip:  # COVID-SemiSeg slices are stored upside down
+            if flip:  # COVID-SemiSeg slices are stored upside down: flip rows so the slices stand upright
                 images, labels = images[:, ::-1].copy(), labels[:, ::-1].copy()
         else:
             if class_names is None:
-                count = raw.shape[1] if raw.ndim == 2 and raw.shape[1] > 1 else int(raw.max()) + 1
-                class_names = _names(arrays, "label_names", count, path)
+                class_names = _names(arrays, "label_names", label_count, path)
             labels, split_task = classification_labels(raw, len(class_names), path, label_key)
             if task is not None and split_task != task:
                 raise DataError(f"'{path}': '{label_key}' is {split_task} but earlier splits are {task}")
@@ -143,7 +154,25 @@ def load_npz(path: str) -> Dataset:
         splits[split] = Split(images, labels, mask, ids, groups)
     if len(splits.get("train", [])) == 0:
         raise DataError(f"'{path}': the train split is empty")
-    return Dataset(task, list(class_names), splits, source=path)
+    info = {"slices_flipped": True} if flip else {}
+    return Dataset(task, list(class_names), splits, source=path, info=info)
+
+
+def _count_classes(arrays: Dict[str, np.ndarray], path: str) -> int:
+    """C of a file without ``label_names``: the column count of (N,C) labels, else max index + 1."""
+    counts = []
+    for split in SPLITS:
+        raw = arrays.get(f"{split}_labels")
+        if raw is None or raw.size == 0:
+            continue
+        if raw.ndim == 2 and raw.shape[1] > 1:
+            return raw.shape[1]
+        if raw.dtype.kind not in "biu":
+            raise DataError(f"'{path}': '{split}_labels' has dtype {raw.dtype}; class indices must be integers")
+        counts.append(int(raw.max()) + 1)
+    if not counts:
+        raise DataError(f"'{path}' lacks 'train_labels'")
+    return max(counts)
 
 
 def save_npz(dataset: Dataset, path: str) -> None:
@@ -156,18 +185,27 @@ def save_npz(dataset: Dataset, path: str) -> None:
     arrays = {}
     for name, split in dataset.splits.items():
         arrays[f"{name}_images"] = split.images
+        if not dataset.is_segmentation and split.label_mask is not None and not split.label_mask.all():
+            # the source layouts have no label mask: partial labels belong in a site file
+            raise DataError(f"cannot save {dataset.where()} to '{path}': split '{name}' has unannotated entries; "
+                            f"use write_site_file for partially labelled data")
         if dataset.is_segmentation:
             arrays[f"{name}_masks"] = split.labels
         elif dataset.task == SINGLE_LABEL:
+            bad = np.flatnonzero(split.labels.sum(axis=1) != 1)
+            if len(bad):
+                raise DataError(f"cannot save {dataset.where()} to '{path}': '{name}' row {bad[0]} is not one-hot, "
+                                f"so it has no single-label class index")
             arrays[f"{name}_labels"] = split.labels.argmax(axis=1)[:, None].astype(np.uint8)
         else:
             arrays[f"{name}_labels"] = split.labels.astype(np.uint8)
         if split.ids is not None:
-            arrays[f"{name}_image_ids"] = split.ids
+            arrays[f"{name}_image_ids"] = plain_array(split.ids)
         if split.groups is not None:
-            arrays[f"{name}_patient_ids"] = split.groups
+            arrays[f"{name}_patient_ids"] = plain_array(split.groups)
     if dataset.is_segmentation:
         arrays["class_names"] = np.array(["background", *dataset.class_names])
+        arrays[UPRIGHT_KEY] = np.array(1)  # slices in memory are upright (flipped on load if they were not)
     else:
         arrays["label_names"] = np.array(dataset.class_names)
     atomic_savez(path, arrays)
@@ -189,8 +227,22 @@ def atomic_savez(path: str, arrays: Dict[str, np.ndarray]) -> None:
             os.remove(tmp)
 
 
+def plain_array(values) -> np.ndarray:
+    """ids / groups as a numeric or unicode array (object arrays would need pickle to load)."""
+    values = np.asarray(values)
+    return values.astype(str) if values.dtype == object else values
+
+
 def info_json(info: dict) -> np.ndarray:
-    return np.array(json.dumps(info, sort_keys=True))
+    """``info`` as a 0-d unicode array (numpy numbers and arrays become plain JSON)."""
+    def plain(value):
+        if isinstance(value, np.generic):
+            return value.item()
+        if isinstance(value, np.ndarray):
+            return value.tolist()
+        raise TypeError(f"info value {value!r} ({type(value).__name__}) is not JSON-able")
+
+    return np.array(json.dumps(info, sort_keys=True, default=plain))
 
 
 def _umask() -> int:

@@ -77,6 +77,9 @@ def annotated_class_sets(dataset: Dataset, scenario: str, sites: int, rng: np.ra
         if len(class_sets) != sites:
             raise DataError(f"class_sets has {len(class_sets)} entries for {sites} sites")
         sets = [sorted({_class_index(dataset, c) for c in s}) for s in class_sets]
+        for k, s in enumerate(sets):
+            if not s:
+                raise DataError(f"class_sets gives site 'site-{k + 1}' no annotated class")
     elif scenario == "label-set-mismatch":
         if not classes_per_site or not 0 < classes_per_site <= C:
             raise DataError(f"--classes-per-site must be in 1..{C}, got {classes_per_site}")
@@ -129,6 +132,24 @@ def _is_instance_layout(dataset: Dataset) -> bool:
     return dataset.num_classes == 1 and int(train.max(initial=0)) > 1
 
 
+def completeness_fractions(values: Sequence[float]) -> List[float]:
+    """Per-site completeness as fractions. All values are fractions in [0, 1], unless one of them
+    exceeds 1: then all are percentages (``30,50,100`` -> 0.3, 0.5, 1.0), so that ``1,50`` cannot
+    silently mean 100 % and 50 %.
+
+    Args:
+        values: a_1..a_K as fractions or percentages.
+    """
+    values = [float(v) for v in values]
+    if any(not np.isfinite(v) or v < 0 for v in values):
+        raise DataError(f"completeness values must be fractions in [0,1] or percentages in [0,100], got {values}")
+    if any(v > 1 for v in values):
+        if any(v > 100 for v in values):
+            raise DataError(f"completeness percentages must be in [0,100], got {values}")
+        return [v / 100.0 for v in values]
+    return values
+
+
 # ---- the partition itself -------------------------------------------------------------------
 def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classes_per_site: Optional[int] = None,
               missing_per_site: Optional[int] = None, labelled_sites: Optional[int] = None,
@@ -144,7 +165,8 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
         classes_per_site: label-set-mismatch: classes each site annotates.
         missing_per_site: missing-classes: classes each site loses.
         labelled_sites: semi-supervised: the first L sites keep labels.
-        completeness: incomplete-masks: per-site fraction of lesions kept (fractions, or percentages > 1).
+        completeness: incomplete-masks: per-site fraction of lesions kept (fractions, or all percentages
+            when any value exceeds 1); per image Python's ``round(a_k * n)`` whole lesions are kept.
         class_sets: explicit per-site annotated classes (names or indices).
         val_fraction_if_missing: share of each site's train data held out as val when the source has no val split.
 
@@ -178,9 +200,7 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
     if scenario == "incomplete-masks":
         if completeness is None or len(completeness) != sites:
             raise DataError(f"--completeness needs {sites} values (one per site), got {completeness}")
-        completeness = [c / 100 if c > 1 else c for c in completeness]
-        if any(not 0 <= c <= 1 for c in completeness):
-            raise DataError(f"completeness values must be fractions in [0,1] or percentages, got {completeness}")
+        completeness = completeness_fractions(completeness)
         instance_ids = _is_instance_layout(dataset)
     site_sets, refs = [], []
     for k in range(sites):
@@ -232,6 +252,17 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
             entry["annotated_classes"] = [c for c, a in zip(class_names, mask.any(0)) if a]
         summary["class_names"] = class_names
         summary["per_site"][name] = entry
+        totals = summary.setdefault("totals", {"n_train": 0, "n_val": 0})
+        totals["n_train"] += entry["n_train"]
+        totals["n_val"] += entry["n_val"]
+        for key in ("annotated_positives", "hidden_positives"):
+            if key in entry:
+                into = totals.setdefault(key, {c: 0 for c in class_names})
+                for c, v in entry[key].items():
+                    into[c] += v
+        for key in ("lesions_kept", "lesions_total"):
+            if key in entry:
+                totals[key] = totals.get(key, 0) + entry[key]
         site_sets.append(Dataset(dataset.task, class_names, {"train": site_train, "val": va}, dataset.source, name,
                                  info))
         refs.append(Dataset(dataset.task, class_names, {"train": ref_train, "val": va}, dataset.source, name,
@@ -249,6 +280,9 @@ def summary_markdown(summary: dict) -> str:
         for name, e in sites.items():
             lines.append(f"| {name} | {e['n_train']} | {e['n_val']} | {e['completeness']:.2f} | "
                          f"{e['lesions_kept']} / {e['lesions_total']} |")
+        t = summary.get("totals")
+        if t:
+            lines.append(f"| total | {t['n_train']} | {t['n_val']} | | {t['lesions_kept']} / {t['lesions_total']} |")
         return "\n".join(lines) + "\n"
     classes = summary["class_names"]
     lines += ["Annotated positives per class (– = class not annotated at the site; hidden positives in brackets)", "",
@@ -257,6 +291,11 @@ def summary_markdown(summary: dict) -> str:
         cells = [f"{e['annotated_positives'][c]}" if c in e["annotated_classes"] else f"– ({e['hidden_positives'][c]})"
                  for c in classes]
         lines.append(f"| {name} | {e['n_train']} | " + " | ".join(cells) + " |")
+    t = summary.get("totals")
+    if t:
+        lines.append(f"| total | {t['n_train']} | " + " | ".join(
+            f"{t['annotated_positives'][c]} ({t['hidden_positives'][c]})" for c in classes) + " |")
+        lines += ["", "Total row: annotated positives (hidden positives) over all sites."]
     return "\n".join(lines) + "\n"
 
 
@@ -282,9 +321,13 @@ def write_partition(out_dir: str, site_sets: List[Dataset], refs: List[Dataset],
             json.dump(summary, f, indent=1)
         with open(os.path.join(tmp, "split_summary.md"), "w") as f:
             f.write(summary_markdown(summary))
-        if os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
+        old = None
+        if os.path.exists(out_dir):  # move the earlier split aside first: never a moment with half of each
+            old = tempfile.mkdtemp(prefix=".split-old-", dir=parent)
+            os.replace(out_dir, os.path.join(old, "split"))
         os.replace(tmp, out_dir)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -301,6 +344,11 @@ def split_file(source: str, scenario: str, sites: int, seed: int, out: str, **op
 
 
 def add_split_arguments(parser) -> None:
+    """Add the ``split`` options to an argparse (sub)parser.
+
+    Args:
+        parser: the parser.
+    """
     parser.add_argument("--data", required=True, help="source .npz (MedMNIST or segmentation layout)")
     parser.add_argument("--scenario", required=True, choices=SCENARIOS)
     parser.add_argument("--sites", type=int, required=True, help="number of sites K")
@@ -311,17 +359,35 @@ def add_split_arguments(parser) -> None:
     parser.add_argument("--labelled-sites", type=int, default=None, help="semi-supervised: the first L sites")
     parser.add_argument("--completeness", default=None,
                         help="incomplete-masks: a1,a2,... fraction (or %%) of lesions each site keeps")
+    parser.add_argument("--class-sets", default=None,
+                        help="label-set-mismatch / missing-classes: explicit annotated classes per site, "
+                             "sites separated by ';', classes (names or indices) by ',', e.g. 'a,b;c;a,d'")
+
+
+def parse_class_sets(text: Optional[str]):
+    """``'a,b;c;0,3'`` -> ``[['a', 'b'], ['c'], [0, 3]]`` (digits become class indices)."""
+    if not text:
+        return None
+    return [[int(c) if c.strip().isdigit() else c.strip() for c in site.split(",") if c.strip()]
+            for site in text.split(";")]
 
 
 def split_command(args) -> None:
+    """``python -m fedpartial split``: partition ``args.data`` and write ``args.out``; prints the
+    per-site table.
+
+    Args:
+        args: argparse namespace from :func:`add_split_arguments`.
+    """
     completeness = None
     if args.completeness:
         try:
             completeness = [float(x) for x in args.completeness.split(",")]
         except ValueError as e:
             raise DataError(f"--completeness '{args.completeness}' is not a comma list of numbers") from e
+    class_sets = parse_class_sets(getattr(args, "class_sets", None))
     summary = split_file(args.data, args.scenario, args.sites, args.seed, args.out,
                          classes_per_site=args.classes_per_site, missing_per_site=args.missing_per_site,
-                         labelled_sites=args.labelled_sites, completeness=completeness)
+                         labelled_sites=args.labelled_sites, completeness=completeness, class_sets=class_sets)
     print(summary_markdown(summary))
     print(f"wrote {args.sites} site files to {os.path.abspath(args.out)}")

@@ -10,7 +10,7 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from fedpartial.data.npz import atomic_savez, check_images, info_json, open_npz
+from fedpartial.data.npz import atomic_savez, check_images, info_json, open_npz, plain_array
 from fedpartial.data.types import SEGMENTATION, TASKS, DataError, Dataset, Split
 
 SITE_SPLITS = ("train", "val", "test")
@@ -36,9 +36,9 @@ def write_site_file(path: str, dataset: Dataset) -> None:
             mask = split.label_mask if split.label_mask is not None else np.ones_like(split.labels, bool)
             arrays[f"{name}_label_mask"] = mask.astype(np.uint8)
         if split.ids is not None:
-            arrays[f"{name}_ids"] = split.ids
+            arrays[f"{name}_ids"] = plain_array(split.ids)
         if split.groups is not None:
-            arrays[f"{name}_groups"] = split.groups
+            arrays[f"{name}_groups"] = plain_array(split.groups)
     atomic_savez(path, arrays)
 
 
@@ -72,12 +72,16 @@ def dataset_from_site_arrays(arrays: Dict[str, np.ndarray], path: str, expected_
             if labels.shape != images.shape[:3]:
                 raise DataError(f"site file '{path}': '{name}_labels' has shape {labels.shape}, "
                                 f"images are {images.shape[:3]}")
+            if labels.dtype.kind not in "biu" or not np.isin(labels, (0, 1)).all():
+                raise DataError(f"site file '{path}': '{name}_labels' must be a binary 0/1 lesion mask "
+                                f"(dtype {labels.dtype}, values {np.unique(labels)[:5].tolist()}...)")
         else:
             if labels.ndim != 2 or labels.shape[1] != len(class_names):
                 raise DataError(f"site file '{path}': '{name}_labels' has shape {labels.shape}; expected "
                                 f"(N, {len(class_names)}) for classes {class_names}")
             if not np.isin(labels, (0, 1)).all():
-                raise DataError(f"site file '{path}': '{name}_labels' holds values other than 0/1")
+                bad = tuple(int(i) for i in np.argwhere(~np.isin(labels, (0, 1)))[0])
+                raise DataError(f"site file '{path}': '{name}_labels' entry {bad} is {labels[bad]}; labels must be 0/1")
             mask_key = f"{name}_label_mask"
             mask = arrays.get(mask_key)
             if mask is None:
@@ -87,7 +91,7 @@ def dataset_from_site_arrays(arrays: Dict[str, np.ndarray], path: str, expected_
             mask = mask.astype(bool)
             bad = np.argwhere((labels > 0) & ~mask)
             if len(bad):
-                raise DataError(f"site file '{path}': '{mask_key}' marks entry {tuple(bad[0])} (class "
+                raise DataError(f"site file '{path}': '{mask_key}' marks entry {tuple(int(i) for i in bad[0])} (class "
                                 f"'{class_names[bad[0][1]]}') unannotated but its label is 1")
             labels = labels.astype(np.float32)
         splits[name] = Split(images, labels, mask, arrays.get(f"{name}_ids"), arrays.get(f"{name}_groups"))

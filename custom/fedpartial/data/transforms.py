@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 from monai.transforms import (Compose, OneOf, RandAffine, RandFlip, RandGaussianNoise, RandGaussianSmooth,
-                              RandGaussianSharpen)
+                              RandGaussianSharpen, Randomizable)
 
 VIEWS = ("none", "weak", "strong")
 
@@ -37,31 +37,30 @@ def strong_pipeline(prob: float = 0.5, rotate_deg: float = 15.0, shift: float = 
     """
     import math
 
-    def affine(spatial_size=None):
-        return RandAffine(prob=prob, rotate_range=(math.radians(rotate_deg),), translate_range=None,
-                          scale_range=(scale, scale), padding_mode="border")
-
+    affine = RandAffine(prob=prob, rotate_range=(math.radians(rotate_deg),), translate_range=None,
+                        scale_range=(scale, scale), padding_mode="border")
     return Compose([
         RandFlip(prob=prob, spatial_axis=0), RandFlip(prob=prob, spatial_axis=1),
-        _RelativeShift(shift=shift, prob=prob), affine(),
+        _RelativeShift(shift=shift, prob=prob), affine,
         OneOf([RandGaussianSmooth(prob=1.0, sigma_x=(0.25, 1.0), sigma_y=(0.25, 1.0)),
                RandGaussianNoise(prob=1.0, std=noise_std),
                RandGaussianSharpen(prob=1.0)]),
     ])
 
 
-class _RelativeShift:
-    """RandAffine's translate_range is in pixels; this shifts by a fraction of the image size."""
+class _RelativeShift(Randomizable):
+    """RandAffine's translate_range is in pixels; this shifts by a fraction of the image size.
+    Draws from MONAI's per-transform generator, so ``Compose.set_random_state`` seeds it too."""
 
     def __init__(self, shift: float, prob: float):
         self.shift, self.prob = shift, prob
 
     def __call__(self, img: torch.Tensor) -> torch.Tensor:
-        if self.shift <= 0 or torch.rand(()) > self.prob:
+        if self.shift <= 0 or self.R.rand() > self.prob:
             return img
         h, w = img.shape[-2:]
-        dy = int(round(float(torch.empty(()).uniform_(-self.shift, self.shift)) * h))
-        dx = int(round(float(torch.empty(()).uniform_(-self.shift, self.shift)) * w))
+        dy = int(round(self.R.uniform(-self.shift, self.shift) * h))
+        dx = int(round(self.R.uniform(-self.shift, self.shift) * w))
         return torch.roll(torch.as_tensor(img), shifts=(dy, dx), dims=(-2, -1))
 
 
@@ -148,14 +147,16 @@ def strong_batch(batch: torch.Tensor, rotate_deg: float = 15.0, shift: float = 0
     from monai.networks.layers import GaussianFilter
 
     out = affine_batch(flip_batch(batch, generator), rotate_deg, shift, scale, generator)
-    choice = torch.randint(0, 3, (out.shape[0],), generator=generator)
+    # draws come from a CPU generator; masks and noise then move to the batch's device (CUDA)
+    choice = torch.randint(0, 3, (out.shape[0],), generator=generator).to(out.device)
     sigma = float(_uniform(1, blur_sigma[0], blur_sigma[1], generator))
     blur = GaussianFilter(spatial_dims=2, sigma=sigma)
     if (choice == 0).any():
         out[choice == 0] = blur(out[choice == 0])
     if (choice == 1).any():
         picked = out[choice == 1]
-        out[choice == 1] = picked + noise_std * torch.randn(picked.shape, generator=generator)
+        noise = torch.randn(picked.shape, generator=generator).to(device=picked.device, dtype=picked.dtype)
+        out[choice == 1] = picked + noise_std * noise
     if (choice == 2).any():
         picked = out[choice == 2]
         out[choice == 2] = picked + (picked - blur(picked))  # unsharp mask
@@ -166,8 +167,8 @@ def flip_batch(batch: torch.Tensor, generator: Optional[torch.Generator] = None)
     """Fast weak view for a whole batch at once: each sample flipped on each axis with p=0.5.
     Same distribution as :func:`weak_pipeline`, vectorised (used in hot loops)."""
     n = batch.shape[0]
-    flip_h = torch.rand(n, generator=generator) < 0.5
-    flip_v = torch.rand(n, generator=generator) < 0.5
+    flip_h = (torch.rand(n, generator=generator) < 0.5).to(batch.device)
+    flip_v = (torch.rand(n, generator=generator) < 0.5).to(batch.device)
     out = batch.clone()
     out[flip_h] = out[flip_h].flip(-1)
     out[flip_v] = out[flip_v].flip(-2)
