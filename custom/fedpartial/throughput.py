@@ -17,11 +17,16 @@ from typing import Dict, List
 import numpy as np
 import torch
 
+# method -> (client rule, its args, server rule): the untimed first round goes through the server
+# rule so that the timed rounds see real global statistics (prototypes, relation matrix...).
 RULES = {
-    "fedavg": ("fedpartial.algorithms.fedavg.SupervisedClient", {"loss_mode": "partial", "local_epochs": 1}),
-    "fedlsm": ("fedpartial.algorithms.fedlsm.FedLSMClient", {"local_epochs": 1.0}),
-    "fedmlp": ("fedpartial.algorithms.fedmlp.FedMLPClient", {"warmup_rounds": 0}),
-    "fedirm": ("fedpartial.algorithms.fedirm.FedIRMClient", {}),
+    "fedavg": ("fedpartial.algorithms.fedavg.SupervisedClient", {"loss_mode": "partial", "local_epochs": 1},
+               "fedpartial.algorithms.fedavg.FedAvgServer"),
+    "fedlsm": ("fedpartial.algorithms.fedlsm.FedLSMClient", {"local_epochs": 1.0},
+               "fedpartial.algorithms.fedlsm.AWPAServer"),
+    "fedmlp": ("fedpartial.algorithms.fedmlp.FedMLPClient", {"warmup_rounds": 1},
+               "fedpartial.algorithms.fedmlp.FedMLPServer"),
+    "fedirm": ("fedpartial.algorithms.fedirm.FedIRMClient", {}, "fedpartial.algorithms.fedirm.FedIRMServer"),
 }
 
 
@@ -78,12 +83,13 @@ def plain_loop(model, images: torch.Tensor, labels: torch.Tensor, batch_size: in
 def rule_throughput(name: str, site_file: str, arch: str, batch_size: int, rounds: int, device, seed: int = 0,
                     global_stats=None) -> Dict[str, float]:
     """Images/s of one method's ``train_round`` on a site file (after one untimed round)."""
-    from fedpartial.algorithms.base import ClientContext, RoundInput
+    from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext, SiteUpdate
     from fedpartial.data.sitefile import load_site_file
     from fedpartial.flare.common import build_rule
     from fedpartial.models import build_model
+    from fedpartial.training.common import state_dict_numpy
 
-    path, args = RULES[name]
+    path, args, server_path = RULES[name]
     data = load_site_file(site_file)
     channels = 1 if data.splits["train"].images.ndim == 3 else 3
     torch.manual_seed(seed)
@@ -91,8 +97,11 @@ def rule_throughput(name: str, site_file: str, arch: str, batch_size: int, round
     rule = build_rule(path, dict(args, batch_size=batch_size))
     with tempfile.TemporaryDirectory() as state:
         rule.setup(ClientContext(site=data.site, data=data, device=device, state_dir=state, seed=seed))
-        stats = dict(global_stats or {})
-        result = rule.train_round(model, RoundInput(0, rounds + 1, stats))
+        result = rule.train_round(model, RoundInput(0, rounds + 1, dict(global_stats or {})))
+        weights = state_dict_numpy(model)
+        _, stats = build_rule(server_path, {}).aggregate(
+            [SiteUpdate(data.site, weights, result.num_samples, result.stats)],
+            ServerContext(0, rounds + 1, model.classifier_param_names(), weights))
         counter = _Counter(model)
         start = time.perf_counter()
         for r in range(1, rounds + 1):
