@@ -22,6 +22,9 @@ poc_init() {
   case "$STATE" in
     /|/tmp|/tmp/nvflare|"$HOME"|"$HOME/.nvflare") poc_die "refusing to use '$STATE' as state folder";;
   esac
+  # the project's .venv (made by scripts/setup.sh) unless PYTHON says otherwise
+  local repo_venv; repo_venv="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv/bin/python"
+  if [[ -z "${PYTHON:-}" && -x "$repo_venv" ]]; then PYTHON="$repo_venv"; fi
   PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
   "$PYTHON" -c "import nvflare, fedpartial" 2>/dev/null \
     || poc_die "'$PYTHON' cannot import nvflare and fedpartial; activate the venv (or set PYTHON=/path/to/venv/bin/python)"
