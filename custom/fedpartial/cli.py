@@ -14,9 +14,10 @@ def _cmd_split(args):
 
 
 def _cmd_simulate(args):
-    from fedpartial.jobtools import simulate
+    from fedpartial.jobtools import dataset_overrides, simulate
 
-    summary = simulate(args.job, args.data_root, args.workspace, args.set, threads=args.threads, timeout=args.timeout)
+    sets = (dataset_overrides(args.data_root) if args.fit_data else []) + list(args.set)
+    summary = simulate(args.job, args.data_root, args.workspace, sets, threads=args.threads, timeout=args.timeout)
     if summary["exit_code"] != 0:
         print(f"warning: simulator exited with {summary['exit_code']}", file=sys.stderr)
 
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workspace", required=True, help="output folder")
     s.add_argument("--threads", type=int, default=0, help="client threads (0 = one per site)")
     s.add_argument("--timeout", type=float, default=None, help="seconds before the run is stopped")
+    s.add_argument("--fit-data", action="store_true",
+                   help="set the job's model block (class names, task, channels, image size) from the site files")
     add_set(s)
     s.set_defaults(func=_cmd_simulate)
 
