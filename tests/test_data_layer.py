@@ -1,5 +1,5 @@
-"""Readers (real files, DICOM written with pydicom, NIfTI written with nibabel), site files and
-every partition scenario against hand-counted expectations."""
+"""Readers (real files, NIfTI written with nibabel; DICOM is covered in test_data_readers.py), site
+files and every partition scenario against hand-counted expectations."""
 import json
 import os
 from pathlib import Path
@@ -102,45 +102,7 @@ def test_site_file_mask_must_match_labels(tmp_path):
         load_site_file(str(tmp_path / "site-1.npz"), expected_site="site-2")
 
 
-# ---- DICOM and NIfTI ------------------------------------------------------------------------
-def _dicom(path, pixels, slope=1.0, intercept=0.0, photometric="MONOCHROME2", window=None):
-    from pydicom.dataset import FileDataset, FileMetaDataset
-    from pydicom.uid import ExplicitVRLittleEndian, generate_uid
-
-    meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = "1.2.840.10008.5.1.4.1.1.2"
-    meta.MediaStorageSOPInstanceUID = generate_uid()
-    meta.TransferSyntaxUID = ExplicitVRLittleEndian
-    ds = FileDataset(str(path), {}, file_meta=meta, preamble=b"\0" * 128)
-    ds.Rows, ds.Columns = pixels.shape
-    ds.SamplesPerPixel, ds.BitsAllocated, ds.BitsStored, ds.HighBit = 1, 16, 16, 15
-    ds.PixelRepresentation = 0
-    ds.PhotometricInterpretation = photometric
-    ds.RescaleSlope, ds.RescaleIntercept = slope, intercept
-    if window:
-        ds.WindowCenter, ds.WindowWidth = window
-    ds.PixelData = pixels.astype(np.uint16).tobytes()
-    ds.save_as(str(path), enforce_file_format=True)
-
-
-def test_dicom_rescale_window_and_monochrome1(tmp_path):
-    from fedpartial.data.dicom import dicom_to_uint8, load_dicom_folder
-
-    raw = np.array([[0, 1000], [1040, 2000]], np.uint16)
-    # slope 1, intercept -1024 -> HU [-1024, -24; 16, 976]; window centre 40 width 80 -> [0, 80]
-    _dicom(tmp_path / "a.dcm", raw, intercept=-1024, window=(40, 80))
-    # -1024 -> 0; -24 -> 0; 16 -> 16/80*255 = 51; 976 -> 255
-    np.testing.assert_array_equal(dicom_to_uint8(str(tmp_path / "a.dcm")), [[0, 0], [51, 255]])
-    _dicom(tmp_path / "b.dcm", raw, intercept=-1024, window=(40, 80), photometric="MONOCHROME1")
-    np.testing.assert_array_equal(dicom_to_uint8(str(tmp_path / "b.dcm")), [[255, 255], [204, 0]])
-    (tmp_path / "m.csv").write_text("file,split,label,patient_id\na.dcm,train,1,p1\nb.dcm,train,0,p2\n")
-    data = load_dicom_folder(str(tmp_path), str(tmp_path / "m.csv"), ["normal", "bleed"])
-    assert data.task == "single-label" and data.splits["train"].labels.tolist() == [[0, 1], [1, 0]]
-    (tmp_path / "c.dcm").write_bytes(b"not a dicom")
-    with pytest.raises(DataError, match="c.dcm"):
-        dicom_to_uint8(str(tmp_path / "c.dcm"))
-
-
+# ---- NIfTI --------------------------------------------------------------------------------
 def test_nifti_volumes_slice_to_2d(tmp_path):
     import nibabel as nib
 
