@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from fedpartial import deploy
+from fedpartial.jobtools import dataset_overrides
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,7 +128,7 @@ def test_every_method_job_runs_in_poc(poc_state, tmp_path):
     for job, settings in METHOD_SETTINGS.items():
         data = poc_state / f"data_{job}"
         deploy.demo_data(str(REPO / "jobs" / job), str(data), sites=3)
-        settings = [*deploy.data_overrides(str(data / "sites")), "num_rounds=2", "device=cpu", *settings]
+        settings = [*dataset_overrides(str(data / "sites")), "num_rounds=2", "device=cpu", *settings]
         rounds = int([s for s in settings if s.startswith("num_rounds=")][-1].split("=")[1])
         sets = [x for s in settings for x in ("--set", s)]
         out = sh(REPO / "poc" / "run_job.sh", poc_state, job, "--data-root", data / "sites", *sets, "--timeout", "400",

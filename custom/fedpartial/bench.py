@@ -119,7 +119,6 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
         extra: more ``--set`` items for every job.
     """
     from fedpartial.data.partition import split_file
-    from fedpartial.evaluation import evaluate_split  # noqa: F401  (import check before long runs)
     from fedpartial.jobtools import dataset_overrides, simulate
 
     suite = SUITES[name]

@@ -314,13 +314,6 @@ def job_model(job_dir: str) -> dict:
     return model
 
 
-def data_overrides(data_root: str) -> List[str]:
-    """``--set`` overrides fitting a job's model to the site files in ``data_root``."""
-    from fedpartial.jobtools import dataset_overrides
-
-    return dataset_overrides(data_root)
-
-
 def demo_data(job_dir: str, out_dir: str, sites: int, shared_data: str = "") -> str:
     """Site files for the demo of ``job_dir``: HAM10000 from ``../shared/data`` for single-label
     jobs when it is there, else the built-in synthetic data; the scenario follows the method.
@@ -506,7 +499,9 @@ def _cmd_demo_data(args):
 
 
 def _cmd_data_overrides(args):
-    print("\n".join(data_overrides(args.data_root)))
+    from fedpartial.jobtools import dataset_overrides
+
+    print("\n".join(dataset_overrides(args.data_root)))
 
 
 def _cmd_stop_leftovers(args):
