@@ -56,6 +56,7 @@ def test_fedirm_job_runs_and_relation_matrix_reaches_unlabelled_site(tmp_path, j
     overrides = ["num_rounds=2", f"model.class_names={json.dumps(names)}", "model.input_size=[16,16]",
                  "model.arch_args.width=8", "model.arch_args.depth=2", "rule_args.batch_size=16",
                  "rule_args.mc_passes=2", "rule_args.augmentation=flip", "rule_args.ramp_rounds=2",
+                 "rule_args.unlabelled_start_round=0",
                  "device=cpu"]
     summary = simulate(str(REPO / "jobs" / job), str(data_root), str(tmp_path / "ws"), overrides, timeout=240,
                        log=lambda m: None)

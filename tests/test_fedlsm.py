@@ -149,6 +149,20 @@ def test_single_label_pseudo_labels_at_threshold():
     assert target[:3].tolist() == [0, 1, 1]
 
 
+def test_single_label_pseudo_labels_renormalised_over_missing_classes():
+    mask = torch.tensor([[1.0, 0.0, 0.0]]).repeat(3, 1)  # class 0 annotated, 1 and 2 missing
+    labels = torch.zeros(3, 3, dtype=torch.float64)
+    probs = torch.tensor([[0.60, 0.38, 0.02],   # given "not class 0": 0.38 / 0.40 = 0.95 -> pseudo 1
+                          [0.97, 0.02, 0.01],   # 0.02 / 0.03 = 0.667 -> none
+                          [0.50, 0.02, 0.48]], dtype=torch.float64)  # 0.48 / 0.50 = 0.96 -> pseudo 2
+    plain = single_label_pseudo_labels(probs, labels, mask.double(), tau=0.95)[2]
+    target, has, is_pseudo = single_label_pseudo_labels(probs, labels, mask.double(), tau=0.95,
+                                                        renormalise_missing=True)
+    assert plain.tolist() == [False, False, False]  # the paper's rule: no full-softmax max >= 0.95
+    assert is_pseudo.tolist() == [True, False, True]
+    assert target[is_pseudo].tolist() == [1, 2]
+
+
 def test_multilabel_pseudo_labels_at_thresholds():
     mask = torch.tensor([[1.0, 0.0, 0.0, 0.0]] * 2, dtype=torch.float64)
     probs = torch.tensor([[0.99, 0.85, 0.005, 0.5],
@@ -341,3 +355,38 @@ def test_local_epochs_sets_the_step_count(tmp_path):
     assert result.metrics["samples_seen"] == 48
     with pytest.raises(ValueError, match="local_epochs"):
         FedLSMClient(local_epochs=1.0, local_iterations=5)
+
+
+def test_pseudo_label_census_counts_per_class(tmp_path):
+    """A model whose softmax is the image's pixels / 255: the census counts what FedLSM's rule
+    would pseudo-label at the site, per class, against the reference copy."""
+    import os
+
+    from fedpartial.data.sitefile import write_site_file
+    from fedpartial.data.types import Dataset, Split
+    from fedpartial.evaluation import pseudo_label_census
+
+    class PixelSoftmax(torch.nn.Module):
+        def forward(self, x):
+            logits = torch.log(x.flatten(1).clamp_min(1e-9))
+            return logits, logits
+
+    images = np.array([[[153, 97, 5]], [[5, 245, 5]], [[255, 0, 0]]], dtype=np.uint8)  # (3, 1, 3) grey
+    truth = np.array([[0, 1, 0], [0, 0, 1], [1, 0, 0]], dtype=np.float32)  # sample 1 is of c, not b
+    mask = np.array([[1, 0, 0]] * 3, dtype=bool)  # the site annotates class a only
+    names = ["a", "b", "c"]
+    write_site_file(str(tmp_path / "site-1.npz"), Dataset("single-label", names, {"train": Split(images, truth * mask, mask)},
+                                                          site="site-1"))
+    os.makedirs(tmp_path / "reference")
+    write_site_file(str(tmp_path / "reference" / "site-1_full.npz"),
+                    Dataset("single-label", names, {"train": Split(images, truth, np.ones_like(mask))}, site="site-1"))
+    norm = {"mean": 0.0, "std": 1.0}
+    plain = pseudo_label_census(PixelSoftmax(), [str(tmp_path / "site-1.npz")], str(tmp_path / "reference"), norm,
+                                "cpu")
+    # hidden: sample 0 (b), sample 1 (c); only sample 1 has a full-softmax max >= 0.95 (245/255 on b): wrong
+    assert plain["total"] == {"hidden": [0, 1, 1], "pseudo": [0, 1, 0], "correct": [0, 0, 0]}
+    renorm = pseudo_label_census(PixelSoftmax(), [str(tmp_path / "site-1.npz")], str(tmp_path / "reference"), norm,
+                                 "cpu", renormalise_missing=True)
+    # sample 0 given "not a": 97 / 102 = 0.951 on b -> pseudo b, right
+    assert renorm["total"] == {"hidden": [0, 1, 1], "pseudo": [0, 2, 0], "correct": [0, 1, 0]}
+    assert renorm["classes"] == names

@@ -105,7 +105,7 @@ def test_leftover_sweep_kills_flare_processes_of_the_folder_only(tmp_path):
 METHOD_SETTINGS = {
     "fedlsm": ["rule_args.local_epochs=0.3", "model.arch_args.width=8"],
     "fedmlp": ["rule_args.warmup_rounds=1", "model.arch_args.width=8"],
-    "fedirm": ["rule_args.mc_passes=2", "model.arch_args.width=8"],
+    "fedirm": ["rule_args.mc_passes=2", "model.arch_args.width=8", "rule_args.unlabelled_start_round=0"],
     "fedia": ["rule_args.warmup_rounds=2", "num_rounds=3", "model.input_size=[32,32]"],
 }
 

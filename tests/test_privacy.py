@@ -104,7 +104,7 @@ METHODS = {  # job, data kind, overrides (2 rounds; statistics sent in at least 
         "client.rule_args.use_adaptive_threshold=false", "server.rule_args.t0=0.25", "server.rule_args.t1=0.25"]),
     "fedirm": ("fedirm", "semi", SMALL + [
         "model.arch_args.depth=2", "rule_args.batch_size=16", "rule_args.mc_passes=2", "rule_args.augmentation=flip",
-        "rule_args.ramp_rounds=2"]),
+        "rule_args.ramp_rounds=2", "rule_args.unlabelled_start_round=0"]),
     "fedia": ("fedia", "lesions", SEG + ["rule_args.warmup_rounds=2"]),
 }
 

@@ -57,6 +57,31 @@ def _cmd_evaluate(args):
     print(json.dumps(jsonable(out), indent=None if args.compact else 1))
 
 
+def _cmd_pseudo_labels(args):
+    import glob
+
+    from fedpartial.evaluation import pseudo_label_census
+    from fedpartial.models.io import load_model_file
+    from fedpartial.training.common import select_device
+
+    device = select_device(args.device)
+    model, meta = load_model_file(args.model, device=device)
+    if meta["task"] != "single-label":
+        raise SystemExit(f"error: pseudo-labels is for single-label models; '{args.model}' is {meta['task']}")
+    files = sorted(glob.glob(os.path.join(args.sites, "*.npz")))
+    if not files:
+        raise SystemExit(f"error: no site file (*.npz) in '{args.sites}'")
+    census = pseudo_label_census(model, files, os.path.join(args.sites, "reference"), meta["normalisation"], device,
+                                 args.tau, args.renormalise_missing)
+    names = census["classes"]
+    print("| site | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for site, row in [*census["sites"].items(), ("all", census["total"])]:
+        cells = [f"{p} ({c} right) / {h}" for h, p, c in zip(row["hidden"], row["pseudo"], row["correct"])]
+        print(f"| {site} | " + " | ".join(cells) + " |")
+    print("\ncell: pseudo labels of the class (right ones) / hidden samples of the class")
+
+
 def _cmd_synthetic(args):
     from fedpartial.data import synthetic
     from fedpartial.data.npz import save_npz
@@ -111,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto")
     s.add_argument("--compact", action="store_true", help="one line of JSON")
     s.set_defaults(func=_cmd_evaluate)
+
+    s = sub.add_parser("pseudo-labels", help="per site and class: the confident pseudo labels a single-label model "
+                                             "gives to samples of missing classes, against the hidden truth")
+    s.add_argument("--model", required=True)
+    s.add_argument("--sites", required=True, help="folder of site files with reference/<site>_full.npz beside them")
+    s.add_argument("--tau", type=float, default=0.95)
+    s.add_argument("--renormalise-missing", action="store_true", help="FedLSM's renormalise_missing rule")
+    s.add_argument("--device", default="auto")
+    s.set_defaults(func=_cmd_pseudo_labels)
 
     s = sub.add_parser("synthetic", help="write the built-in synthetic dataset as a source .npz")
     s.add_argument("--task", choices=["single-label", "multi-label", "segmentation"], default="multi-label")

@@ -135,8 +135,8 @@ def entropy_split(entropy, confident_fraction: float, uncertain_fraction: float
     return confident, medium, uncertain
 
 
-def single_label_pseudo_labels(probs: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, tau: float
-                               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def single_label_pseudo_labels(probs: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, tau: float,
+                               renormalise_missing: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Targets for single-label samples: the true class of labelled samples, the teacher's
     pseudo label for unlabelled ones (class max-prob >= ``tau`` and a missing class).
 
@@ -145,6 +145,10 @@ def single_label_pseudo_labels(probs: torch.Tensor, labels: torch.Tensor, label_
         labels: ``(N, C)`` one-hot on the annotated classes, all 0 for an unlabelled sample.
         label_mask: ``(N, C)`` 1 on the site's annotated classes.
         tau: confidence threshold on the teacher's max probability.
+        renormalise_missing: compare ``tau`` with the teacher's probability *given* that the sample
+            is of a missing class (softmax mass of the annotated classes removed, the rest rescaled
+            to 1), which is what the site's label ("none of my classes") says. False = paper: the
+            full softmax.
 
     Returns:
         ``(target_index (N,), has_target (N,) bool, is_pseudo (N,) bool)``; ``target_index`` is
@@ -152,6 +156,9 @@ def single_label_pseudo_labels(probs: torch.Tensor, labels: torch.Tensor, label_
     """
     known = labels * label_mask
     labelled = (known > 0.5).any(dim=1)
+    if renormalise_missing:
+        missing_mass = probs * (1.0 - label_mask)
+        probs = missing_mass / missing_mass.sum(dim=1, keepdim=True).clamp_min(1e-12)
     max_prob, arg = probs.max(dim=1)
     arg_is_missing = label_mask.gather(1, arg[:, None])[:, 0] < 0.5
     is_pseudo = (~labelled) & (max_prob >= tau) & arg_is_missing
@@ -275,6 +282,8 @@ class FedLSMClient(ClientRule):
         max_pos_weight: optional cap on those weights (None: no cap).
         strong_view: student view: ``strong`` (batched MONAI affine + blur/noise/sharpen), ``strong-per-sample`` (the MONAI Compose pipeline per sample, slower), ``weak``, ``flip``, ``none``.
         eval_batch_size: batch size of the uncertainty pass.
+        renormalise_missing: single-label: threshold the teacher's probability conditioned on the
+            sample being of a missing class (see :func:`single_label_pseudo_labels`); False = paper.
     """
 
     def __init__(self, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 5e-4, batch_size: int = 64,
@@ -284,7 +293,7 @@ class FedLSMClient(ClientRule):
                  tau_n: float = 0.005, tau_lp: float = 0.7, tau_ln: float = 0.01, lambda_ude: float = 0.1,
                  mixup_alpha: float = 0.2, use_ue: bool = True, use_ude: bool = True,
                  class_weighted_bce: bool = True, max_pos_weight: Optional[float] = None,
-                 strong_view: str = "strong", eval_batch_size: int = 256):
+                 strong_view: str = "strong", eval_batch_size: int = 256, renormalise_missing: bool = False):
         if strong_view not in STRONG_VIEWS:
             raise ValueError(f"strong_view '{strong_view}' unknown; choose one of {STRONG_VIEWS}")
         if batch_size < 1 or ude_pairs < 0 or (use_ude and ude_pairs >= batch_size):
@@ -315,6 +324,7 @@ class FedLSMClient(ClientRule):
         self.class_weighted_bce, self.max_pos_weight = bool(class_weighted_bce), max_pos_weight
         self.strong_view = strong_view
         self.eval_batch_size = int(eval_batch_size)
+        self.renormalise_missing = bool(renormalise_missing)
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self, ctx) -> None:
@@ -389,7 +399,8 @@ class FedLSMClient(ClientRule):
     def _targets(self, probs, labels, mask, tau_pos, tau_neg):
         """(targets (N,C) float, entry/sample selection, pseudo-positive (N,C) bool, pseudo-neg (N,C) bool)."""
         if self.task == SINGLE_LABEL:
-            target, has_target, is_pseudo = single_label_pseudo_labels(probs, labels, mask, tau_pos)
+            target, has_target, is_pseudo = single_label_pseudo_labels(probs, labels, mask, tau_pos,
+                                                                       self.renormalise_missing)
             onehot = F.one_hot(target, self.num_classes).to(probs.dtype)
             pseudo_pos = onehot.bool() & is_pseudo[:, None]
             return onehot, has_target, pseudo_pos, torch.zeros_like(pseudo_pos)

@@ -1,0 +1,338 @@
+"""bench reports on hand-made run folders (no simulator): pseudo-label quality per round,
+segmentation overlays, the README results section, and which jobs get ``reference_file``."""
+import csv
+import json
+import os
+
+import numpy as np
+import pytest
+
+from fedpartial import bench
+from fedpartial.cli import build_parser
+
+
+def _write_metrics(path, rounds):
+    """metrics.json of a workspace: ``rounds`` = [{site: {key: value}}] in round order."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    data = {"rounds": [{"round": i, "rejected": {}, "sites": sites} for i, sites in enumerate(rounds)]}
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def _lsm(n, p, r):
+    return {"num_pseudo_positive": n, "pseudo_precision": p, "pseudo_recall": r, "loss": 0.1,
+            "val": {"auc": 0.5}}
+
+
+# --- pseudo-label quality --------------------------------------------------------------------
+# FedLSM, 2 seeds x 3 rounds x 2 sites. FedLSM logs precision 0 when it made no pseudo label
+# (n = 0): undefined, left out. site-2 of round 0 logged no diagnostic key at all.
+#   round 1: precision seed0 0.8 (site-2 n=0 out), seed1 (1.0+0.5)/2 = 0.75 -> 0.775 ± 0.025
+#            recall    seed0 (0.2+0)/2 = 0.1,   seed1 (0.1+0.3)/2 = 0.2      -> 0.150 ± 0.050
+#            count     seed0 10 (1 site > 0),  seed1 4+6 = 10 (2 sites)      -> 10 ± 0 (1.5/2)
+#   round 2: precision seed0 (0.9+0.6)/2 = 0.75, seed1 (0.7+0.5)/2 = 0.6    -> 0.675 ± 0.075
+#            recall    seed0 0.25, seed1 0.4                                  -> 0.325 ± 0.075
+#            count     seed0 25, seed1 11                                     -> 18 ± 7 (2/2)
+LSM_SEEDS = {
+    0: [{"site-1": _lsm(0, 0.0, 0.0), "site-2": {"loss": 0.2}},
+        {"site-1": _lsm(10, 0.8, 0.2), "site-2": _lsm(0, 0.0, 0.0)},
+        {"site-1": _lsm(20, 0.9, 0.4), "site-2": _lsm(5, 0.6, 0.1)}],
+    1: [{"site-1": _lsm(0, 0.0, 0.0), "site-2": {"loss": 0.2}},
+        {"site-1": _lsm(4, 1.0, 0.1), "site-2": _lsm(6, 0.5, 0.3)},
+        {"site-1": _lsm(8, 0.7, 0.3), "site-2": _lsm(3, 0.5, 0.5)}],
+}
+
+
+@pytest.fixture
+def lsm_out(tmp_path):
+    for seed, rounds in LSM_SEEDS.items():
+        _write_metrics(str(tmp_path / "fedlsm-ham" / f"seed{seed}" / "fedlsm" / "metrics.json"), rounds)
+        # a baseline's workspace: never read for pseudo labels
+        _write_metrics(str(tmp_path / "fedlsm-ham" / f"seed{seed}" / "fedavg" / "metrics.json"),
+                       [{"site-1": {"pseudo_precision": 0.123}}])
+    (tmp_path / "fedlsm-ham" / "seed7").mkdir()  # a seed without a workspace yet
+    return tmp_path
+
+
+def _table_rows(md):
+    rows = {}
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0].isdigit():
+            rows[int(cells[0])] = cells[1:]
+    return rows
+
+
+def test_pseudo_label_records_and_csv(lsm_out):
+    md = bench.write_pseudo_label_report(str(lsm_out), "fedlsm-ham", log=lambda *_: None)
+    assert md
+    with open(lsm_out / "fedlsm-ham_pseudo_labels.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == bench.PSEUDO_FIELDS
+    # 2 seeds x (round 0: site-1 only, rounds 1-2: both sites) x 2 keys
+    assert len(rows) == 2 * (1 + 2 + 2) * 2
+    assert {r["job"] for r in rows} == {"fedlsm"}
+    undefined = [r for r in rows if r["key"] == "pseudo_precision" and r["value"] == ""]
+    assert {(r["seed"], r["round"], r["site"]) for r in undefined} == {("0", "0", "site-1"), ("1", "0", "site-1"),
+                                                                       ("0", "1", "site-2")}
+    at = {(r["seed"], r["round"], r["site"], r["key"]): r for r in rows}
+    hit = at[("1", "2", "site-2", "pseudo_recall")]
+    assert float(hit["value"]) == 0.5 and hit["count_key"] == "num_pseudo_positive" and float(hit["count"]) == 3
+    # a recall of 0 with no pseudo label is a real 0 (none of the hidden positives found)
+    assert at[("0", "1", "site-2", "pseudo_recall")]["value"] == "0.0"
+
+
+def test_pseudo_label_table_numbers(lsm_out):
+    md = bench.write_pseudo_label_report(str(lsm_out), "fedlsm-ham", log=lambda *_: None)
+    assert (lsm_out / "fedlsm-ham_pseudo_labels.md").read_text() == md
+    assert "| round | pseudo_precision | pseudo_recall | num_pseudo_positive: sum of sites (sites > 0) |" in md
+    table = _table_rows(md)
+    assert sorted(table) == [0, 1, 2]
+    assert table[0] == ["–", "0.000 ± 0.000", "0 ± 0 (0/1)"]
+    assert table[1] == ["0.775 ± 0.025", "0.150 ± 0.050", "10 ± 0 (1.5/2)"]
+    assert table[2] == ["0.675 ± 0.075", "0.325 ± 0.075", "18 ± 7 (2/2)"]
+    assert "seeds [0, 1]" in md
+
+
+def test_pseudo_label_report_absent_diagnostics(tmp_path):
+    _write_metrics(str(tmp_path / "fedirm-ham" / "seed0" / "fedirm" / "metrics.json"), [{"site-1": {"loss": 1.0}}])
+    notes = []
+    assert bench.write_pseudo_label_report(str(tmp_path), "fedirm-ham", log=notes.append) is None
+    assert not list(tmp_path.glob("*_pseudo_labels.*")) and "--diagnostics" in notes[0]
+
+
+def test_fedirm_precision_without_reliable_labels_is_undefined(tmp_path):
+    _write_metrics(str(tmp_path / "fedirm-ham" / "seed0" / "fedirm" / "metrics.json"),
+                   [{"site-1": {"reliable_fraction": 0.0, "pseudo_precision": 0.0},
+                     "site-2": {"reliable_fraction": 0.5, "pseudo_precision": 0.6}}])
+    records = [r for r in bench.pseudo_label_records(str(tmp_path), "fedirm-ham") if r["key"] == "pseudo_precision"]
+    assert [(r["site"], r["value"]) for r in records] == [("site-1", None), ("site-2", 0.6)]
+    assert _table_rows(bench.pseudo_label_table(records))[0] == ["0.600"]
+    # the share of reliable pseudo labels is shown beside it, zero included: (0 + 0.5) / 2
+    table = bench.pseudo_label_table(bench.pseudo_label_records(str(tmp_path), "fedirm-ham"))
+    assert _table_rows(table)[0] == ["0.600", "0.250"]
+
+
+def test_fedmlp_macro_over_classes_not_over_tag_kinds(tmp_path):
+    # per-class keys: macro tag_precision = mean over the classes present at a site, then over sites:
+    #   site-1 (0.5 + 1.0)/2 = 0.75, site-2 0.7 -> 0.725; tag_recall: site-1 0.2 only -> 0.2.
+    # pos / neg are tag kinds: shown as they are, never averaged into the macro.
+    _write_metrics(str(tmp_path / "fedmlp-nih" / "seed0" / "fedmlp" / "metrics.json"), [
+        {"site-1": {"tag_precision_Atelectasis": 0.5, "tag_precision_Mass": 1.0, "tag_recall_Atelectasis": 0.2,
+                    "tag_precision_pos": 0.9, "tags_total_pos": 12.0},
+         "site-2": {"tag_precision_Atelectasis": 0.7, "tag_precision_pos": 0.5, "tags_total_pos": 0.0}}])
+    records = bench.pseudo_label_records(str(tmp_path), "fedmlp-nih")
+    md = bench.pseudo_label_table(records)
+    assert "| round | tag_precision | tag_recall | tag_precision_pos | tags_total_pos: sum of sites (sites > 0) |" in md
+    assert _table_rows(md)[0] == ["0.725", "0.200", "0.700", "12 (1/2)"]
+
+
+def test_shown_rounds():
+    assert bench.shown_rounds(range(20)) == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 19]
+    assert bench.shown_rounds(range(20), every=5) == [0, 5, 10, 15, 19]
+    assert bench.shown_rounds([2, 0, 1]) == [0, 1, 2]
+    assert bench.shown_rounds([]) == []
+
+
+def test_bad_metrics_files_name_the_file(tmp_path):
+    path = tmp_path / "fedlsm-ham" / "seed0" / "fedlsm" / "metrics.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="metrics.json is not valid JSON"):
+        bench.pseudo_label_records(str(tmp_path), "fedlsm-ham")
+    path.write_text(json.dumps({"round": []}))
+    with pytest.raises(ValueError, match="metrics.json has no 'rounds' list"):
+        bench.pseudo_label_records(str(tmp_path), "fedlsm-ham")
+
+
+# --- which jobs read the reference copies ----------------------------------------------------
+def test_diagnostics_reach_the_method_job_only(tmp_path, monkeypatch):
+    import fedpartial.data.partition as partition
+    import fedpartial.jobtools as jobtools
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "ham10000_28.npz").write_bytes(b"")
+    calls = []
+    monkeypatch.setattr(partition, "split_file", lambda *a, **k: None)
+    monkeypatch.setattr(jobtools, "dataset_overrides", lambda root: ["model.task=single-label"])
+    monkeypatch.setattr(jobtools, "simulate", lambda job, root, ws, sets, log=None: calls.append(
+        (os.path.basename(job), list(sets))))
+    monkeypatch.setattr(bench, "_evaluate_row", lambda name, suite, job, seed, *a: {
+        "suite": name, "method": job, "seed": seed, **{k: 0.5 for k in suite.metrics}})
+    rows = bench.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
+                           extra=["rule_args.lr=0.01"], diagnostics=True, log=lambda *_: None)
+    with_ref = {job for job, sets in calls if bench.REFERENCE_SET in sets}
+    assert with_ref == {"fedlsm"} and len(calls) == 4
+    assert all("seed=3" in sets and "rule_args.lr=0.01" in sets for _, sets in calls)
+    assert json.loads(rows[0]["bench_args"]) == {"profile": "cpu", "rounds": None, "sets": ["rule_args.lr=0.01"],
+                                                 "diagnostics": True}
+    calls.clear()
+    bench.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
+                    log=lambda *_: None)
+    assert not any(bench.REFERENCE_SET in sets for _, sets in calls)
+    with pytest.raises(ValueError, match="use --diagnostics"):
+        bench.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
+                        extra=["client.reference_file=reference/{site}_full.npz"])
+
+
+def test_cli_flags_parse():
+    args = build_parser().parse_args(["bench", "--suite", "fedlsm-ham", "--out", "x", "--diagnostics", "--readme",
+                                      "R.md", "--copy-plots", "docs/results", "--every", "5"])
+    assert args.diagnostics and args.readme == "R.md" and args.copy_plots == "docs/results" and args.every == 5
+    assert args.overlay_images == 4
+    args = build_parser().parse_args(["bench-report", "--out", "x", "--overlays", "--overlay-images", "2"])
+    assert args.func is bench._cmd_bench_report and args.overlays and args.overlay_images == 2 and args.suite is None
+
+
+# --- segmentation overlays -------------------------------------------------------------------
+def _masks():
+    truth = np.zeros((4, 4), bool)
+    truth[0:2, 0:2] = True                              # 4 true pixels
+    pred = np.zeros((4, 4), bool)
+    pred[0, 0:2] = True                                 # 2 TP (row 0), 2 FN (row 1)
+    pred[3, 3] = True                                   # 1 FP
+    return truth, pred
+
+
+def test_overlay_colours_on_a_drawn_mask():
+    truth, pred = _masks()
+    rgb = bench.overlay_rgb(np.zeros((4, 4), np.uint8), truth, pred, alpha=1.0)
+    green, red, blue, black = [0, 1, 0], [1, 0, 0], [0, 0, 1], [0, 0, 0]
+    assert rgb[0, 0].tolist() == green and rgb[0, 1].tolist() == green      # TP
+    assert rgb[1, 0].tolist() == red and rgb[1, 1].tolist() == red          # FN
+    assert rgb[3, 3].tolist() == blue                                       # FP
+    assert rgb[2, 2].tolist() == black                                      # TN: the image
+    # blended over an RGB image of grey 102/255 = 0.4 (mean of the channels): TN keeps 0.4
+    img = np.full((4, 4, 3), 102, np.uint8)
+    rgb = bench.overlay_rgb(img, truth, pred, alpha=0.5)
+    np.testing.assert_allclose(rgb[0, 0], [0.2, 0.7, 0.2])
+    np.testing.assert_allclose(rgb[1, 0], [0.7, 0.2, 0.2])
+    np.testing.assert_allclose(rgb[3, 3], [0.2, 0.2, 0.7])
+    np.testing.assert_allclose(rgb[2, 2], [0.4, 0.4, 0.4])
+    with pytest.raises(ValueError, match="same"):
+        bench.overlay_rgb(np.zeros((4, 5)), truth, pred)
+
+
+def test_plot_overlays_dice_per_panel(tmp_path):
+    import matplotlib.image as mpimg
+
+    truth, pred = _masks()
+    images = np.zeros((2, 4, 4), np.uint8)
+    truths = np.stack([truth, np.zeros_like(truth)])
+    preds = {"a": np.stack([pred, np.zeros_like(pred)]), "b": np.stack([truth, pred])}
+    path = str(tmp_path / "grid.png")
+    dice = bench.plot_overlays(images, truths, preds, path, title="t")
+    # a: image 0 Dice 2*2/(4+3) = 4/7; image 1 empty vs empty = 1. b: perfect, then 1 FP px on empty = 0
+    np.testing.assert_allclose(dice["a"], [4 / 7, 1.0])
+    np.testing.assert_allclose(dice["b"], [1.0, 0.0])
+    assert mpimg.imread(path).ndim == 3
+
+
+def test_write_overlays_uses_the_evaluation_path(tmp_path):
+    import torch
+
+    from fedpartial.data.npz import load_npz, save_npz
+    from fedpartial.data.synthetic import make_segmentation
+    from fedpartial.data.transforms import resize_dataset
+    from fedpartial.evaluation import evaluate_split
+    from fedpartial.models import build_model, load_model_file, save_model_file
+
+    source = str(tmp_path / "seg.npz")
+    save_npz(make_segmentation(n_train=2, n_val=2, n_test=5, size=16, seed=0), source)
+    meta = {"class_names": ["lesion"], "task": "segmentation", "input_size": [8, 8],  # resized like the bench
+            "normalisation": {"mean": 0.3, "std": 0.2}}
+    name = "fedia-dsb-m0"
+    for i, job in enumerate(bench.SUITES[name].jobs):
+        torch.manual_seed(i)
+        model = build_model("unet", 1, 1, channels=(4, 8), strides=(2,), num_res_units=0)
+        save_model_file(tmp_path / name / "seed0" / job / "global_model.pt", model, meta)
+    path, dice = bench.write_overlays(name, str(tmp_path), 0, source, n_images=10, device="cpu")
+    assert path == str(tmp_path / f"{name}_overlays_seed0.png") and os.path.isfile(path)
+    assert list(dice) == ["fedavg_seg", "fedavg_seg_full", "fedia"]
+    test = resize_dataset(load_npz(source), (8, 8)).splits["test"]
+    for job in dice:
+        model, meta_read = load_model_file(tmp_path / name / "seed0" / job / "global_model.pt")
+        expected = evaluate_split(model, test, "segmentation", ["lesion"], meta_read["normalisation"], "cpu")["dice"]
+        assert len(dice[job]) == 5 and np.mean(dice[job]) == pytest.approx(expected)
+    assert bench.overlay_indices(133, 4).tolist() == [0, 44, 88, 132]
+
+
+# --- README section --------------------------------------------------------------------------
+def _rows(suite, seeds, bench_args=None, jobs=None):
+    out = []
+    for seed in seeds:
+        for job in jobs or bench.SUITES[suite].jobs:
+            r = {"suite": suite, "method": job, "seed": seed, "rounds": 20, "per_class_auc": json.dumps({"a": 0.7}),
+                 "curve": json.dumps([0.5, 0.6]), "dataset": "d", "scenario": "s", "split_options": "{}"}
+            r.update({k: 0.5 + 0.1 * (job == bench.SUITES[suite].upper) for k in bench.SUITES[suite].metrics})
+            if bench_args is not None:
+                r["bench_args"] = json.dumps(bench_args)
+            out.append(r)
+    return out
+
+
+def test_bench_commands(tmp_path):
+    cpu = {"profile": "cpu", "rounds": None, "sets": ["rule_args.lr=0.01"], "diagnostics": True}
+    rows = (_rows("fedlsm-ham", [0, 1], cpu) + _rows("fedlsm-ham", [2], {**cpu, "rounds": 5, "sets": []}, ["fedlsm"])
+            + _rows("fedirm-ham", [0]))  # no bench_args: rows from before bench recorded them
+    for r in rows[-3:]:
+        r["rounds"] = 30.0
+    out = os.path.join(bench.REPO, "runs", "b")
+    cmds = bench.bench_commands(rows, out)
+    assert cmds["fedlsm-ham"] == [
+        "python -m fedpartial bench --suite fedlsm-ham --seeds 0,1 --profile cpu --diagnostics "
+        "--set rule_args.lr=0.01 --out runs/b",
+        "python -m fedpartial bench --suite fedlsm-ham --seeds 2 --profile cpu --rounds 5 --jobs fedlsm --diagnostics "
+        "--out runs/b --append"]
+    assert cmds["fedirm-ham"] == ["# reconstructed (these rows predate the recorded command)\n"
+                                  "python -m fedpartial bench --suite fedirm-ham --seeds 0 --profile cpu "
+                                  "--out runs/b --append"]
+    # quoting of settings with shell characters
+    rows = _rows("fedlsm-ham", [0], {"profile": "gpu", "rounds": None, "sets": ['model.arch_args={"a": 1}'],
+                                     "diagnostics": False})
+    assert "--profile gpu --set 'model.arch_args={\"a\": 1}' --out /elsewhere" in bench.bench_commands(
+        rows, "/elsewhere")["fedlsm-ham"][0]
+
+
+def test_replace_between_markers(tmp_path):
+    readme = tmp_path / "R.md"
+    readme.write_text(f"head\n{bench.README_BEGIN}\nold\n{bench.README_END}\ntail\n")
+    bench.replace_between_markers(str(readme), "new table\n")
+    assert readme.read_text() == f"head\n{bench.README_BEGIN}\nnew table\n{bench.README_END}\ntail\n"
+    bench.replace_between_markers(str(readme), "again")  # idempotent frame
+    assert readme.read_text() == f"head\n{bench.README_BEGIN}\nagain\n{bench.README_END}\ntail\n"
+    for text, msg in ((f"{bench.README_BEGIN}\n", "found 0"), (f"{bench.README_BEGIN}{bench.README_BEGIN}"
+                                                               f"{bench.README_END}", "found 2"),
+                      (f"{bench.README_END}\n{bench.README_BEGIN}", "comes before")):
+        readme.write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            bench.replace_between_markers(str(readme), "x")
+        assert readme.read_text() == text  # untouched on error
+
+
+def test_update_readme_links_copies(tmp_path, lsm_out):
+    out = lsm_out  # holds the FedLSM workspaces of the pseudo-label tests
+    rows = _rows("fedlsm-ham", [0, 1], {"profile": "cpu", "rounds": None, "sets": [], "diagnostics": True})
+    bench.write_reports(rows, str(out))
+    bench.write_pseudo_label_report(str(out), "fedlsm-ham", log=lambda *_: None)
+    (tmp_path / "repo").mkdir()
+    readme = tmp_path / "repo" / "README.md"
+    readme.write_text(f"# x\n\n{bench.README_BEGIN}\n{bench.README_END}\n")
+    section = bench.update_readme(str(out), str(readme), copy_plots=str(tmp_path / "repo" / "docs" / "results"))
+    text = readme.read_text()
+    assert section.strip() in text
+    copied = sorted(os.listdir(tmp_path / "repo" / "docs" / "results"))
+    assert copied == ["fedlsm-ham_curves.png", "fedlsm-ham_per_class_auc.png", "fedlsm-ham_pseudo_labels.csv",
+                      "fedlsm-ham_pseudo_labels.md", "results.csv", "results.md"]
+    assert "![fedlsm-ham: validation auc per round](docs/results/fedlsm-ham_curves.png)" in text
+    assert "(docs/results/results.csv)" in text
+    assert "| fedlsm | 0.500 ± 0.000 |" in text and "| fedavg_full | 0.600 ± 0.000 |" in text
+    assert "python -m fedpartial bench --suite fedlsm-ham --seeds 0,1 --profile cpu --diagnostics --out " in text
+    assert "pseudo-label quality of `fedlsm`" in text and "| 1 | 0.775 ± 0.025 |" in text
+    # without copies the links point into the bench folder, relative to the README
+    bench.update_readme(str(out), str(readme))
+    rel = os.path.relpath(str(out / "fedlsm-ham_curves.png"), str(tmp_path / "repo"))
+    assert f"]({rel})" in readme.read_text()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="results.csv"):
+        bench.update_readme(str(tmp_path / "empty"), str(readme))
