@@ -161,8 +161,9 @@ def test_diagnostics_reach_the_method_job_only(tmp_path, monkeypatch):
         "suite": name, "method": job, "seed": seed, **{k: 0.5 for k in suite.metrics}})
     rows = bench.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
                            extra=["rule_args.lr=0.01"], diagnostics=True, log=lambda *_: None)
-    with_ref = {job for job, sets in calls if bench.REFERENCE_SET in sets}
-    assert with_ref == {"fedlsm"} and len(calls) == 4
+    with_ref = [job for job, sets in calls if bench.REFERENCE_SET in sets]
+    # 3 baselines, the method and its variant (which runs the method's job folder)
+    assert with_ref == ["fedlsm", "fedlsm"] and len(calls) == 5
     assert all("seed=3" in sets and "rule_args.lr=0.01" in sets for _, sets in calls)
     assert json.loads(rows[0]["bench_args"]) == {"profile": "cpu", "rounds": None, "sets": ["rule_args.lr=0.01"],
                                                  "diagnostics": True}
@@ -248,7 +249,7 @@ def test_write_overlays_uses_the_evaluation_path(tmp_path):
         save_model_file(tmp_path / name / "seed0" / job / "global_model.pt", model, meta)
     path, dice = bench.write_overlays(name, str(tmp_path), 0, source, n_images=10, device="cpu")
     assert path == str(tmp_path / f"{name}_overlays_seed0.png") and os.path.isfile(path)
-    assert list(dice) == ["fedavg_seg", "fedavg_seg_full", "fedia"]
+    assert list(dice) == ["fedavg_seg", "fedavg_seg_full", "fedia", "fedia_no_correction"]
     test = resize_dataset(load_npz(source), (8, 8)).splits["test"]
     for job in dice:
         model, meta_read = load_model_file(tmp_path / name / "seed0" / job / "global_model.pt")
@@ -336,3 +337,23 @@ def test_update_readme_links_copies(tmp_path, lsm_out):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="results.csv"):
         bench.update_readme(str(tmp_path / "empty"), str(readme))
+
+
+def test_variants_run_the_method_job_with_their_settings(monkeypatch, tmp_path):
+    """A suite variant runs the method's job folder with its extra settings (and the diagnostics
+    reference), under its own workspace and row name; an unknown job is refused by name."""
+    calls = []
+    monkeypatch.setattr("fedpartial.jobtools.simulate", lambda job, root, ws, sets, log=None: calls.append((job, ws, sets)))
+    monkeypatch.setattr("fedpartial.data.partition.split_file", lambda *a, **k: None)
+    monkeypatch.setattr("fedpartial.jobtools.dataset_overrides", lambda d: [])
+    monkeypatch.setattr(bench, "_evaluate_row", lambda name, suite, job, seed, ws, source, sec: {"method": job})
+    src = tmp_path / "dsb2018_nuclei_256.npz"
+    src.write_bytes(b"")
+    rows = bench.run_suite("fedia-dsb-m2", str(tmp_path), seeds=[0], data_dir=str(tmp_path),
+                           jobs=["fedia_no_correction"], diagnostics=True, overlay_images=0, log=lambda *_: None)
+    (job, ws, sets), = calls
+    assert job.endswith(os.path.join("jobs", "fedia")) and ws.endswith(os.path.join("seed0", "fedia_no_correction"))
+    assert "rule_args.use_correction=false" in sets and bench.REFERENCE_SET in sets
+    assert rows[0]["method"] == "fedia_no_correction"
+    with pytest.raises(ValueError, match="no job.*fedia_typo"):
+        bench.run_suite("fedia-dsb-m2", str(tmp_path), seeds=[0], data_dir=str(tmp_path), jobs=["fedia_typo"])

@@ -45,10 +45,16 @@ class Suite:
     others: List[str] = field(default_factory=list)
     metrics: List[str] = field(default_factory=lambda: ["auc", "f1", "accuracy", "bacc", "map"])
     overrides: Dict[str, List[str]] = field(default_factory=dict)  # profile -> --set items
+    # Ablations: label -> extra --set items of the method job, run and reported as a job of their own.
+    variants: Dict[str, List[str]] = field(default_factory=dict)
 
     @property
     def jobs(self) -> List[str]:
-        return [self.lower, *self.others, self.upper, self.method]
+        return [self.lower, *self.others, self.upper, self.method, *self.variants]
+
+    def job_folder(self, job: str) -> str:
+        """The folder under ``jobs/`` that runs ``job`` (a variant runs the method's)."""
+        return self.method if job in self.variants else job
 
 
 _CPU_CLS = ["model.arch=small_cnn", "rule_args.lr=0.001"]
@@ -56,7 +62,8 @@ SUITES: Dict[str, Suite] = {
     "fedlsm-ham": Suite("ham10000_28.npz", "label-set-mismatch", {"classes_per_site": 3}, 5, "fedlsm", "fedavg",
                         "fedavg_full", ["fedavg_partial_loss"],
                         overrides={"cpu": _CPU_CLS + ["num_rounds=20"],
-                                   "gpu": ["model.arch=densenet121", "model.arch_args={}", "num_rounds=50"]}),
+                                   "gpu": ["model.arch=densenet121", "model.arch_args={}", "num_rounds=50"]},
+                        variants={"fedlsm_renormalised": ["rule_args.renormalise_missing=true"]}),
     "fedlsm-nih": Suite("nih_chestxray14_64.npz", "label-set-mismatch", {"classes_per_site": 3}, 8,
                         "fedlsm_multilabel", "fedavg", "fedavg_full", ["fedavg_partial_loss"],
                         metrics=["auc", "map", "f1", "bacc"],
@@ -81,7 +88,7 @@ for _m in range(4):
     SUITES[f"fedia-dsb-m{_m}"] = Suite(
         "dsb2018_nuclei_256.npz", "incomplete-masks",
         {"completeness": [(20 * k - 10 * _m + 40) / 100 for k in range(4)]}, 4, "fedia", "fedavg_seg",
-        "fedavg_seg_full", metrics=["dice", "iou"],
+        "fedavg_seg_full", metrics=["dice", "iou"], variants={"fedia_no_correction": ["rule_args.use_correction=false"]},
         overrides={"cpu": ["num_rounds=30", "model.input_size=[64,64]", "rule_args.lr=0.001"],
                    "gpu": ["num_rounds=100", "model.input_size=[256,256]"]})
 
@@ -146,6 +153,9 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
         raise ValueError("--set reference_file=... would reach the baselines too; use --diagnostics, which sets it "
                          "for the method job only")
     jobs = list(jobs or suite.jobs)
+    unknown = [j for j in jobs if j not in suite.jobs]
+    if unknown:
+        raise ValueError(f"suite '{name}' has no job {unknown}; its jobs: {suite.jobs}")
     # What reproduces these rows (the README shows it as a bench command line).
     bench_args = json.dumps({"profile": profile, "rounds": rounds, "sets": list(extra), "diagnostics": diagnostics})
     rows = []
@@ -160,8 +170,10 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
         for job in jobs:
             ws = os.path.join(out_dir, name, f"seed{seed}", job)
             started = time.time()
-            job_sets = sets + ([REFERENCE_SET] if diagnostics and job == suite.method else [])
-            simulate(os.path.join(REPO, "jobs", job), split_dir, ws, job_sets, log=log)
+            folder = suite.job_folder(job)
+            job_sets = sets + suite.variants.get(job, []) + ([REFERENCE_SET] if diagnostics and folder == suite.method
+                                                             else [])
+            simulate(os.path.join(REPO, "jobs", folder), split_dir, ws, job_sets, log=log)
             row = _evaluate_row(name, suite, job, seed, ws, source, time.time() - started)
             row["bench_args"] = bench_args
             rows.append(row)
@@ -330,7 +342,7 @@ def plot_results(rows: List[dict], out_dir: str) -> None:
     seg = [r for r in rows if r["suite"].startswith("fedia-dsb")]
     if seg:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for job in ("fedavg_seg", "fedia", "fedavg_seg_full"):
+        for job in ("fedavg_seg", "fedia", "fedia_no_correction", "fedavg_seg_full"):
             ms = sorted({int(r["suite"][-1]) for r in seg})
             vals = [np.mean([r["dice"] for r in seg if r["method"] == job and r["suite"].endswith(str(m))] or
                             [np.nan]) for m in ms]

@@ -6,6 +6,7 @@ import os
 import shutil
 from typing import Dict, List
 
+import numpy as np
 import torch
 from nvflare.apis.dxo import DXO, DataKind
 from nvflare.apis.event_type import EventType
@@ -17,6 +18,7 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 from nvflare.app_common.model_desc import ModelDescriptor
 
+from fedpartial.flare.aggregators import METRICS_FILE
 from fedpartial.flare.common import GLOBAL_STATS, build_model_from_settings, model_file_meta, model_settings
 from fedpartial.training.common import state_dict_numpy
 
@@ -33,14 +35,19 @@ class FedPartialPersistor(ModelPersistor):
     Args:
         model: the job's model block (same as the executor's).
         seed: seed of the initial weights.
+        resume_from: a ``global_model.pt`` written by this persistor (or its folder), e.g. the run
+            folder of a job lost in a server crash. The job starts from its weights and global
+            statistics, and its ``metrics.json`` is carried over. The workflow's ``start_round``
+            must be the file's round + 1 (``num_rounds`` then counts the rounds left).
     """
 
-    def __init__(self, model: dict = None, seed: int = 0):
+    def __init__(self, model: dict = None, seed: int = 0, resume_from: str = ""):
         super().__init__()
         self.settings = model_settings(model or {})
         self.seed = int(seed)
         torch.manual_seed(self.seed)
         self.model = build_model_from_settings(self.settings)
+        self.resume_from = str(resume_from or "")
         self.run_dir = None
 
     def _dir(self, fl_ctx: FLContext) -> str:
@@ -50,7 +57,41 @@ class FedPartialPersistor(ModelPersistor):
         return self.run_dir
 
     def load_model(self, fl_ctx: FLContext) -> ModelLearnable:
+        if self.resume_from:
+            try:
+                return self._resume(fl_ctx)
+            except Exception as e:  # FLARE's secure logging would show only the exception type
+                self.log_error(fl_ctx, f"cannot resume: {e}")
+                raise
         return make_model_learnable(state_dict_numpy(self.model), {})
+
+    def _resume(self, fl_ctx: FLContext) -> ModelLearnable:
+        from fedpartial.models.io import load_model_file
+
+        path = self.resume_from
+        if os.path.isdir(path):
+            path = os.path.join(path, GLOBAL_MODEL_FILE)
+        saved, meta = load_model_file(path)
+        for key in ("class_names", "task"):
+            if meta.get(key) != self.settings[key]:
+                raise ValueError(f"resume_from '{path}': {key} {meta.get(key)!r} differs from the job's "
+                                 f"{self.settings[key]!r}")
+        if saved.spec != self.model.spec:
+            raise ValueError(f"resume_from '{path}': model {saved.spec} differs from the job's {self.model.spec}")
+        last = meta.get("round")
+        start = fl_ctx.get_prop(AppConstants.START_ROUND)
+        if last is None or start != last + 1:
+            raise ValueError(f"resume_from '{path}' holds the global model after round {last} (job "
+                             f"{meta.get('job_id')}), but the job starts at round {start}: set start_round="
+                             f"{'?' if last is None else last + 1} and num_rounds to the rounds left")
+        self.model.load_state_dict(saved.state_dict())
+        metrics = os.path.join(os.path.dirname(path), METRICS_FILE)
+        if os.path.isfile(metrics) and not os.path.exists(os.path.join(self._dir(fl_ctx), METRICS_FILE)):
+            shutil.copyfile(metrics, os.path.join(self._dir(fl_ctx), METRICS_FILE))
+        stats = {k: np.asarray(v) if isinstance(v, list) else v for k, v in (meta.get(GLOBAL_STATS) or {}).items()}
+        self.log_info(fl_ctx, f"resumed from '{path}' (round {last} of job {meta.get('job_id')}); "
+                              f"continuing at round {start}")
+        return make_model_learnable(state_dict_numpy(self.model), {GLOBAL_STATS: stats})
 
     def save_model(self, learnable: ModelLearnable, fl_ctx: FLContext):
         from fedpartial.models.io import save_weights_file
