@@ -249,7 +249,7 @@ def test_write_overlays_uses_the_evaluation_path(tmp_path):
         save_model_file(tmp_path / name / "seed0" / job / "global_model.pt", model, meta)
     path, dice = bench.write_overlays(name, str(tmp_path), 0, source, n_images=10, device="cpu")
     assert path == str(tmp_path / f"{name}_overlays_seed0.png") and os.path.isfile(path)
-    assert list(dice) == ["fedavg_seg", "fedavg_seg_full", "fedia", "fedia_no_correction"]
+    assert list(dice) == ["fedavg_seg", "fedavg_seg_full", "fedia", "fedia_no_correction", "fedia_threshold95"]
     test = resize_dataset(load_npz(source), (8, 8)).splits["test"]
     for job in dice:
         model, meta_read = load_model_file(tmp_path / name / "seed0" / job / "global_model.pt")
@@ -357,3 +357,12 @@ def test_variants_run_the_method_job_with_their_settings(monkeypatch, tmp_path):
     assert rows[0]["method"] == "fedia_no_correction"
     with pytest.raises(ValueError, match="no job.*fedia_typo"):
         bench.run_suite("fedia-dsb-m2", str(tmp_path), seeds=[0], data_dir=str(tmp_path), jobs=["fedia_typo"])
+
+
+def test_auc_axis_floor_keeps_low_bars_visible():
+    from fedpartial.bench import auc_axis_floor
+
+    assert auc_axis_floor([0.9, 0.55]) == 0.4  # the usual floor
+    assert auc_axis_floor([0.9, 0.376, float("nan")]) == pytest.approx(0.3)  # CT-ICH Subdural, 0.376
+    assert auc_axis_floor([0.298]) == pytest.approx(0.2)
+    assert auc_axis_floor([float("nan")]) == 0.4

@@ -114,6 +114,20 @@ METHODS = {  # server rule, good stats, (bad stats, words the rejection must con
 CASES = [(m, i) for m in METHODS for i in range(2)]
 
 
+def test_aggregation_does_not_depend_on_the_order_sites_answer(tmp_path):
+    # 1 + 1e16 - 1e16 is 0 or 1 in floating point depending on the order of the sum
+    values = {"site-1": 1.0, "site-2": 1e16, "site-3": -1e16}
+    results = []
+    for order in (["site-1", "site-2", "site-3"], ["site-2", "site-3", "site-1"], ["site-3", "site-1", "site-2"]):
+        agg = RuleAggregator()
+        fl_ctx = _ctx(tmp_path)
+        for site in order:
+            assert agg.accept(_update(site, {}, value=values[site]), fl_ctx)
+        results.append(from_shareable(agg.aggregate(fl_ctx)).data["fc.weight"])
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+
+
 @pytest.mark.parametrize("method, case", CASES)
 def test_bad_statistics_are_rejected_with_the_site_name_and_the_rest_aggregated(tmp_path, caplog, method, case):
     rule, good, bad_cases = METHODS[method]

@@ -88,7 +88,9 @@ for _m in range(4):
     SUITES[f"fedia-dsb-m{_m}"] = Suite(
         "dsb2018_nuclei_256.npz", "incomplete-masks",
         {"completeness": [(20 * k - 10 * _m + 40) / 100 for k in range(4)]}, 4, "fedia", "fedavg_seg",
-        "fedavg_seg_full", metrics=["dice", "iou"], variants={"fedia_no_correction": ["rule_args.use_correction=false"]},
+        "fedavg_seg_full", metrics=["dice", "iou"],
+        variants={"fedia_no_correction": ["rule_args.use_correction=false"],
+                  "fedia_threshold95": ["rule_args.correction_threshold=0.95"]},
         overrides={"cpu": ["num_rounds=30", "model.input_size=[64,64]", "rule_args.lr=0.001"],
                    "gpu": ["num_rounds=100", "model.input_size=[256,256]"]})
 
@@ -298,6 +300,20 @@ def suite_table(name: str, rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def auc_axis_floor(values: Sequence[float], default: float = 0.4) -> float:
+    """Lower end of an AUC bar plot: ``default``, or lower (to the tenth) when a bar is below it,
+    so that a class under 0.4 still shows.
+
+    Args:
+        values: the bar heights (NaN ignored).
+        default: the usual floor.
+    """
+    finite = [float(v) for v in values if v is not None and np.isfinite(v)]
+    if not finite:
+        return default
+    return min(default, float(np.floor(min(finite) * 10) / 10))
+
+
 def plot_results(rows: List[dict], out_dir: str) -> None:
     import matplotlib
 
@@ -325,15 +341,18 @@ def plot_results(rows: List[dict], out_dir: str) -> None:
         if classes:
             fig, ax = plt.subplots(figsize=(max(6, len(classes) * 0.9), 4))
             width = 0.8 / len(suite.jobs)
+            bars = []
             for i, job in enumerate(suite.jobs):
                 if not per_class[job]:
                     continue
                 vals = [np.nanmean([d.get(c) if d.get(c) is not None else np.nan for d in per_class[job]])
                         for c in classes]
                 ax.bar(np.arange(len(classes)) + i * width, vals, width, label=job)
+                bars.extend(vals)
             ax.set_xticks(np.arange(len(classes)) + 0.4 - width / 2, classes, rotation=30, ha="right")
             ax.set_ylabel("test AUC")
-            ax.set_ylim(0.4, 1.0)
+            ax.axhline(0.5, color="grey", lw=0.8, ls="--")  # chance
+            ax.set_ylim(auc_axis_floor(bars), 1.0)
             ax.legend(fontsize=7)
             ax.set_title(f"{name}: per-class AUC")
             fig.tight_layout()
@@ -342,7 +361,7 @@ def plot_results(rows: List[dict], out_dir: str) -> None:
     seg = [r for r in rows if r["suite"].startswith("fedia-dsb")]
     if seg:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for job in ("fedavg_seg", "fedia", "fedia_no_correction", "fedavg_seg_full"):
+        for job in ("fedavg_seg", "fedia", *SUITES["fedia-dsb-m0"].variants, "fedavg_seg_full"):
             ms = sorted({int(r["suite"][-1]) for r in seg})
             vals = [np.mean([r["dice"] for r in seg if r["method"] == job and r["suite"].endswith(str(m))] or
                             [np.nan]) for m in ms]
@@ -933,6 +952,12 @@ def _cmd_bench_report(args):
         + [n for n in SUITES if os.path.isdir(os.path.join(args.out, n))]))
     if not names:
         raise FileNotFoundError(f"no results.csv and no suite folder in '{args.out}'")
+    if os.path.isfile(csv_path):
+        # results.md and the plots again from the CSV, so a report change reaches old runs
+        rows = _read_rows(csv_path)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(markdown_table(rows))
+        plot_results(rows, args.out)
     for name in names:
         md = write_pseudo_label_report(args.out, name, job=args.job, every=args.every)
         if md:

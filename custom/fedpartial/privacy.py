@@ -120,8 +120,12 @@ def measure(workspace: str, job: str = "jobs/fedlsm", data_root: Optional[str] =
         data_root = os.path.join(workspace, "sites")
         test = write_demo_split(data_root)
         sets = DEMO_SETS + sets
-    if test is None:
+    elif test is None:
         raise ValueError("measure: give a test split together with data_root")
+    else:
+        from fedpartial.jobtools import dataset_overrides
+
+        sets = dataset_overrides(data_root) + sets  # class names, task, channels, size of the site files
     sigma = dict(sigma or {})
     runs: List[dict] = []
     for seed in seeds:

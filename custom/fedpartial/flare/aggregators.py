@@ -134,7 +134,9 @@ class RuleAggregator(Aggregator):
             rejected = "; ".join(f"{s}: {w}" for s, w in self.rejected.items()) or "none"
             raise RuntimeError(f"round {ctx.round}: only {len(valid)} valid update(s) with samples, "
                                f"{self.min_valid_updates} needed (rejected: {rejected})")
-        weights, global_stats = self.rule.aggregate(list(self.updates), ctx)
+        # by site name, not arrival order: float sums depend on order, and a seeded job must
+        # give the same model whichever site answers first
+        weights, global_stats = self.rule.aggregate(sorted(self.updates, key=lambda u: u.site), ctx)
         check_weights(weights, ctx.global_weights)
         self._record(fl_ctx, ctx.round)
         self.log_info(fl_ctx, f"round {ctx.round}: aggregated {len(self.updates)} update(s) with {self.rule_path}")
