@@ -3,12 +3,15 @@ segmentation overlays, the README results section, and which jobs get ``referenc
 import csv
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from fedpartial import bench
 from fedpartial.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _write_metrics(path, rounds):
@@ -366,3 +369,51 @@ def test_auc_axis_floor_keeps_low_bars_visible():
     assert auc_axis_floor([0.9, 0.376, float("nan")]) == pytest.approx(0.3)  # CT-ICH Subdural, 0.376
     assert auc_axis_floor([0.298]) == pytest.approx(0.2)
     assert auc_axis_floor([float("nan")]) == 0.4
+
+
+_SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.mark.skipif(not _SHARED.is_dir(), reason=f"real data folder {_SHARED} is absent")
+@pytest.mark.parametrize("name", sorted(bench.SUITES))
+def test_every_profile_builds_a_model_that_runs_on_its_data(name):
+    """Each profile's settings (the GPU one has never run here) give every job of the suite a model
+    that takes the profile's data at its image size: e.g. DenseNet-121 needs HAM10000 at 64 px,
+    not 28 (its 5 halvings leave nothing of 28 px)."""
+    import torch
+
+    from fedpartial.flare.common import build_model_from_settings, model_settings
+    from fedpartial.jobtools import _config_paths, apply_overrides
+
+    suite = bench.SUITES[name]
+    for profile, sets in suite.overrides.items():
+        with np.load(_SHARED / suite.dataset_for(profile), allow_pickle=True) as raw:
+            images = raw["test_images"][:2]
+            names = [str(n) for n in raw["label_names"]] if "label_names" in raw.files else ["lesion"]
+        size = list(images.shape[1:3])
+        channels = 1 if images.ndim == 3 else images.shape[-1]
+        for job in suite.jobs:
+            folder = REPO / "jobs" / suite.job_folder(job)
+            configs = {side: json.load(open(path)) for side, path in _config_paths(str(folder)).items()}
+            apply_overrides(configs, [f"model.input_size={json.dumps(size)}", f"model.in_channels={channels}",
+                                      *([] if "dice" in suite.metrics else [f"model.class_names={json.dumps(names)}"]),
+                                      *sets, *suite.variants.get(job, [])])
+            settings = model_settings(configs["server"]["model"])
+            model = build_model_from_settings(settings).eval()
+            h, w = [s or d for s, d in zip(settings["input_size"], size)]
+            with torch.no_grad():
+                out = model(torch.zeros(2, channels, h, w))
+            logits = out[1] if isinstance(out, tuple) else out
+            assert logits.shape[0] == 2 and logits.shape[1] == settings["num_classes"], (name, profile, job)
+
+
+def test_a_profile_on_other_data_refuses_a_split_made_from_another_file(tmp_path):
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "ham10000_64.npz").write_bytes(b"")  # only its name matters before the check
+    sites = tmp_path / "out" / "fedlsm-ham" / "seed0" / "sites"
+    sites.mkdir(parents=True)
+    (sites / "split_summary.json").write_text(json.dumps({"source": "/data/ham10000_28.npz"}))
+    with pytest.raises(ValueError, match=r"split from ham10000_28.npz, but the gpu profile .* ham10000_64.npz"):
+        bench.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[0], profile="gpu", data_dir=str(data_dir),
+                        log=lambda *_: None)

@@ -47,6 +47,12 @@ class Suite:
     overrides: Dict[str, List[str]] = field(default_factory=dict)  # profile -> --set items
     # Ablations: label -> extra --set items of the method job, run and reported as a job of their own.
     variants: Dict[str, List[str]] = field(default_factory=dict)
+    # profile -> another file of the same data (e.g. the GPU profile's larger images)
+    datasets: Dict[str, str] = field(default_factory=dict)
+
+    def dataset_for(self, profile: str) -> str:
+        """The data file the ``profile`` runs on."""
+        return self.datasets.get(profile, self.dataset)
 
     @property
     def jobs(self) -> List[str]:
@@ -63,7 +69,8 @@ SUITES: Dict[str, Suite] = {
                         "fedavg_full", ["fedavg_partial_loss"],
                         overrides={"cpu": _CPU_CLS + ["num_rounds=20"],
                                    "gpu": ["model.arch=densenet121", "model.arch_args={}", "num_rounds=50"]},
-                        variants={"fedlsm_renormalised": ["rule_args.renormalise_missing=true"]}),
+                        variants={"fedlsm_renormalised": ["rule_args.renormalise_missing=true"]},
+                        datasets={"gpu": "ham10000_64.npz"}),
     "fedlsm-nih": Suite("nih_chestxray14_64.npz", "label-set-mismatch", {"classes_per_site": 3}, 8,
                         "fedlsm_multilabel", "fedavg", "fedavg_full", ["fedavg_partial_loss"],
                         metrics=["auc", "map", "f1", "bacc"],
@@ -81,7 +88,8 @@ SUITES: Dict[str, Suite] = {
                         "fedavg_full", metrics=["auc", "accuracy", "f1", "bacc"],
                         overrides={"cpu": _CPU_CLS + ["num_rounds=30"],
                                    "gpu": ["model.arch=densenet121", "model.arch_args={\"dropout\":0.2}",
-                                           "num_rounds=100"]}),
+                                           "num_rounds=100"]},
+                        datasets={"gpu": "ham10000_64.npz"}),
 }
 for _m in range(4):
     # FedIA, paper setting: site k (0..3) keeps (20k - 10m + 40) % of its lesions.
@@ -148,7 +156,7 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
     from fedpartial.jobtools import dataset_overrides, simulate
 
     suite = SUITES[name]
-    source = os.path.join(data_dir, suite.dataset)
+    source = os.path.join(data_dir, suite.dataset_for(profile))
     if not os.path.isfile(source):
         raise FileNotFoundError(f"suite '{name}' needs '{source}' (see ../shared/data/README.md)")
     if any(item.split("=", 1)[0].split(".")[-1] == "reference_file" for item in extra):
@@ -163,8 +171,14 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
     rows = []
     for seed in seeds:
         split_dir = os.path.join(out_dir, name, f"seed{seed}", "sites")
-        if not os.path.isfile(os.path.join(split_dir, "split_summary.json")):
+        summary_path = os.path.join(split_dir, "split_summary.json")
+        if not os.path.isfile(summary_path):
             split_file(source, suite.scenario, sites=suite.sites, seed=seed, out=split_dir, **suite.split_options)
+        else:
+            made_from = os.path.basename(str(json.load(open(summary_path)).get("source", "")))
+            if made_from and made_from != os.path.basename(source):
+                raise ValueError(f"'{split_dir}' was split from {made_from}, but the {profile} profile of suite "
+                                 f"'{name}' runs on {os.path.basename(source)}: give another --out")
         sets = dataset_overrides(split_dir) + list(suite.overrides.get(profile, [])) + [f"seed={seed}"]
         if rounds:
             sets.append(f"num_rounds={rounds}")
@@ -226,7 +240,7 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds) -> dict:
     model, meta, data = _load_for_eval(ws, load_npz(source), device)
     test = data.splits["test"]
     metrics = evaluate_split(model, test, data.task, data.class_names, meta["normalisation"], device)
-    row = {"suite": name, "method": job, "dataset": suite.dataset, "scenario": suite.scenario,
+    row = {"suite": name, "method": job, "dataset": os.path.basename(source), "scenario": suite.scenario,
            "split_options": json.dumps(suite.split_options), "seed": seed,
            "rounds": len(json.load(open(os.path.join(ws, "metrics.json")))["rounds"]),
            "seconds": round(seconds, 1)}
@@ -284,7 +298,7 @@ def suite_table(name: str, rows: List[dict]) -> str:
     suite = SUITES[name]
     sub = [r for r in rows if r["suite"] == name]
     seeds = sorted({r["seed"] for r in sub})
-    lines = [f"\n**{name}** — {suite.dataset}, {suite.scenario} {suite.split_options}, {suite.sites} sites, "
+    lines = [f"\n**{name}** — {sub[0].get('dataset') or suite.dataset}, {suite.scenario} {suite.split_options}, {suite.sites} sites, "
              f"{sub[0]['rounds']} rounds, seeds {seeds} (mean ± std over seeds; gap = share of the "
              f"{suite.lower} → {suite.upper} gap closed)\n"]
     head = ["job"] + suite.metrics + [f"gap {k}" for k in suite.metrics[:2]]
@@ -964,9 +978,16 @@ def _cmd_bench_report(args):
             print(md)
         if args.overlays and is_segmentation(name):
             for seed in _seed_dirs(args.out, name):
-                print(write_overlays(name, args.out, seed, os.path.join(args.data_dir, SUITES[name].dataset),
+                print(write_overlays(name, args.out, seed, _split_source(args.out, name, seed, args.data_dir),
                                      n_images=args.overlay_images)[0])
     _readme_and_copies(args)
+
+
+def _split_source(out_dir: str, name: str, seed: int, data_dir: str) -> str:
+    """The data file a seed's split was made from (the suite's CPU file when it does not say)."""
+    summary = os.path.join(out_dir, name, f"seed{seed}", "sites", "split_summary.json")
+    made_from = json.load(open(summary)).get("source") if os.path.isfile(summary) else None
+    return os.path.join(data_dir, os.path.basename(made_from or SUITES[name].dataset))
 
 
 def _readme_and_copies(args) -> None:
