@@ -1,10 +1,12 @@
 """``python -m fedpartial throughput``: training images/s of each method's client rule against a
 plain PyTorch loop on the same model, data and batch, measured in one run; and, from a finished
-simulator workspace, FLARE time per round beyond local training and bytes sent per site per round.
+simulator workspace, FLARE time per round beyond local training and bytes sent per site per round
+(weights and each method's statistics).
 
 Images/s counts the images that pass through the student model in training mode (a forward
 hook), so the extra passes a method makes (teacher, uncertainty estimation, MC dropout,
-prototypes) show up as lower throughput, and the report says where the time went.
+prototypes, IoU and completeness passes) show up as lower throughput, and the report says where
+the time went.
 """
 from __future__ import annotations
 
@@ -12,22 +14,64 @@ import json
 import os
 import tempfile
 import time
-from typing import Dict, List
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
 
-# method -> (client rule, its args, server rule): the untimed first round goes through the server
-# rule so that the timed rounds see real global statistics (prototypes, relation matrix...).
-RULES = {
-    "fedavg": ("fedpartial.algorithms.fedavg.SupervisedClient", {"loss_mode": "partial", "local_epochs": 1},
-               "fedpartial.algorithms.fedavg.FedAvgServer"),
-    "fedlsm": ("fedpartial.algorithms.fedlsm.FedLSMClient", {"local_epochs": 1.0},
-               "fedpartial.algorithms.fedlsm.AWPAServer"),
-    "fedmlp": ("fedpartial.algorithms.fedmlp.FedMLPClient", {"warmup_rounds": 1},
-               "fedpartial.algorithms.fedmlp.FedMLPServer"),
-    "fedirm": ("fedpartial.algorithms.fedirm.FedIRMClient", {}, "fedpartial.algorithms.fedirm.FedIRMServer"),
+from fedpartial.data.types import MULTI_LABEL, SEGMENTATION, SINGLE_LABEL, Dataset, Split
+
+_CLASSIFICATION = (SINGLE_LABEL, MULTI_LABEL)
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """How to time one method's client rule.
+
+    Attributes:
+        client: dotted path of the client rule.
+        server: dotted path of the server rule (gives the timed rounds real global statistics).
+        tasks: site-file tasks the rule runs on.
+        client_args / server_args: constructor arguments (besides ``batch_size``).
+        untimed_rounds: rounds run before the clock starts, so that the timed rounds are the
+            rule's steady state (FedMLP stage 2, FedIA after warm-up).
+        hide_labels: train on the site's images with every label hidden (FedIRM's unlabelled
+            branch); the untimed round then runs the labelled branch on the real labels, so the
+            timed rounds match a relation matrix as at a real unlabelled site.
+    """
+
+    client: str
+    server: str
+    tasks: Sequence[str]
+    client_args: Dict = field(default_factory=dict)
+    server_args: Dict = field(default_factory=dict)
+    untimed_rounds: int = 1
+    hide_labels: bool = False
+
+
+RULES: Dict[str, RuleSpec] = {
+    "fedavg": RuleSpec("fedpartial.algorithms.fedavg.SupervisedClient", "fedpartial.algorithms.fedavg.FedAvgServer",
+                       _CLASSIFICATION, {"loss_mode": "partial", "local_epochs": 1}),
+    "fedlsm": RuleSpec("fedpartial.algorithms.fedlsm.FedLSMClient", "fedpartial.algorithms.fedlsm.AWPAServer",
+                       _CLASSIFICATION, {"local_epochs": 1.0}),
+    "fedmlp": RuleSpec("fedpartial.algorithms.fedmlp.FedMLPClient", "fedpartial.algorithms.fedmlp.FedMLPServer",
+                       (MULTI_LABEL,), {"warmup_rounds": 1}),
+    "fedirm": RuleSpec("fedpartial.algorithms.fedirm.FedIRMClient", "fedpartial.algorithms.fedirm.FedIRMServer",
+                       _CLASSIFICATION),
+    "fedirm_unlabelled": RuleSpec("fedpartial.algorithms.fedirm.FedIRMClient",
+                                  "fedpartial.algorithms.fedirm.FedIRMServer", _CLASSIFICATION,
+                                  {"unlabelled_start_round": 0}, hide_labels=True),
+    "fedavg_seg": RuleSpec("fedpartial.algorithms.segmentation.SegmentationSupervisedClient",
+                           "fedpartial.algorithms.fedavg.FedAvgServer", (SEGMENTATION,)),
+    "fedia": RuleSpec("fedpartial.algorithms.fedia.FedIAClient", "fedpartial.algorithms.fedia.FedIAServer",
+                      (SEGMENTATION,), {"warmup_rounds": 2}, {"warmup_rounds": 2}, untimed_rounds=2),
 }
+
+
+def methods_for(task: str) -> List[str]:
+    """The methods of :data:`RULES` that run on a site file of ``task``."""
+    return [name for name, spec in RULES.items() if task in spec.tasks]
 
 
 class _Counter:
@@ -44,30 +88,39 @@ class _Counter:
 
 def plain_loop(model, images: torch.Tensor, labels: torch.Tensor, batch_size: int, steps: int, device,
                task: str) -> float:
-    """Images/s of the plainest loop: flip, forward, loss, backward, Adam step.
+    """Images/s of the plainest loop: (flip,) forward, loss, backward, Adam step.
 
     Args:
         model: a fedpartial model.
         images: ``(N, C, H, W)`` normalised.
-        labels: ``(N, C)`` multi-hot.
+        labels: ``(N, C)`` multi-hot, or ``(N, H, W)`` 0/1 masks for segmentation.
         batch_size: samples per step.
         steps: timed steps (after 3 warm-up steps).
         device: torch device.
-        task: ``single-label`` or ``multi-label``.
+        task: ``single-label``, ``multi-label`` or ``segmentation`` (Dice loss as MONAI computes it,
+            no flip: the segmentation rules train on the images as they are).
     """
     from fedpartial.data.transforms import flip_batch
 
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     model.train()
     rng = np.random.default_rng(0)
-    loss_fn = torch.nn.CrossEntropyLoss() if task == "single-label" else torch.nn.BCEWithLogitsLoss()
+    if task == SEGMENTATION:
+        from fedpartial.algorithms.segmentation import make_dice_loss
+
+        dice = make_dice_loss()
+        loss_fn = lambda logits, y: dice(logits, y.unsqueeze(1))  # noqa: E731
+    elif task == SINGLE_LABEL:
+        ce = torch.nn.CrossEntropyLoss()
+        loss_fn = lambda logits, y: ce(logits, y.argmax(1))  # noqa: E731
+    else:
+        loss_fn = torch.nn.BCEWithLogitsLoss()
 
     def step():
         idx = rng.integers(0, len(images), batch_size)
-        x = flip_batch(images[idx]).to(device)
-        y = labels[idx].to(device)
-        _, logits = model(x)
-        loss = loss_fn(logits, y.argmax(1) if task == "single-label" else y)
+        x = images[idx] if task == SEGMENTATION else flip_batch(images[idx])
+        _, logits = model(x.to(device))
+        loss = loss_fn(logits, labels[idx].to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -80,32 +133,72 @@ def plain_loop(model, images: torch.Tensor, labels: torch.Tensor, batch_size: in
     return steps * batch_size / (time.perf_counter() - start)
 
 
-def rule_throughput(name: str, site_file: str, arch: str, batch_size: int, rounds: int, device, seed: int = 0,
-                    global_stats=None) -> Dict[str, float]:
-    """Images/s of one method's ``train_round`` on a site file (after one untimed round)."""
-    from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext, SiteUpdate
-    from fedpartial.data.sitefile import load_site_file
+def hide_labels(data: Dataset) -> Dataset:
+    """The site's data with every train label hidden (labels and label mask all 0), as an
+    unlabelled site of the ``semi-supervised`` scenario holds it."""
+    train = data.splits["train"]
+    splits = dict(data.splits)
+    splits["train"] = Split(train.images, np.zeros_like(train.labels), np.zeros_like(train.labels, dtype=bool),
+                            train.ids, train.groups)
+    info = {k: v for k, v in dict(data.info).items() if k != "labelled"}
+    return Dataset(data.task, list(data.class_names), splits, data.source, data.site, info)
+
+
+def _context(data: Dataset, device, state_dir: str, seed: int):
+    from fedpartial.algorithms.base import ClientContext
+
+    return ClientContext(site=data.site or "site", data=data, device=device, state_dir=state_dir, seed=seed)
+
+
+def rule_throughput(name: str, data: Dataset, arch: str, batch_size: int, rounds: int, device,
+                    seed: int = 0, arch_args: Optional[Dict] = None) -> Dict[str, object]:
+    """Images/s of one method's ``train_round`` on a site's data, after its untimed rounds.
+
+    Args:
+        name: a key of :data:`RULES`.
+        data: the site's data (already at the job's input size).
+        arch: model architecture (``fedpartial.models.build_model``).
+        batch_size: the rule's batch size.
+        rounds: timed rounds.
+        device: torch device.
+        seed: seeds the model and the rounds.
+        arch_args: architecture options (e.g. a job's ``model.arch_args``).
+
+    Returns:
+        ``images_per_s``, ``seconds_per_round``, ``train_images_per_round`` (images through the
+        student in training mode) and ``stats_keys`` (the statistics the rule sends).
+    """
+    from fedpartial.algorithms.base import RoundInput, ServerContext, SiteUpdate
     from fedpartial.flare.common import build_rule
     from fedpartial.models import build_model
     from fedpartial.training.common import state_dict_numpy
 
-    path, args, server_path = RULES[name]
-    data = load_site_file(site_file)
+    spec = RULES[name]
+    if data.task not in spec.tasks:
+        raise ValueError(f"method '{name}' runs on {list(spec.tasks)} site files; '{data.site}' holds {data.task}")
     channels = 1 if data.splits["train"].images.ndim == 3 else 3
     torch.manual_seed(seed)
-    model = build_model(arch, data.num_classes, channels).to(device)
-    rule = build_rule(path, dict(args, batch_size=batch_size))
+    model = build_model(arch, data.num_classes, channels, **dict(arch_args or {})).to(device)
+    server = build_rule(spec.server, spec.server_args)
+    total = spec.untimed_rounds + rounds
     with tempfile.TemporaryDirectory() as state:
-        rule.setup(ClientContext(site=data.site, data=data, device=device, state_dir=state, seed=seed))
-        result = rule.train_round(model, RoundInput(0, rounds + 1, dict(global_stats or {})))
-        weights = state_dict_numpy(model)
-        _, stats = build_rule(server_path, {}).aggregate(
-            [SiteUpdate(data.site, weights, result.num_samples, result.stats)],
-            ServerContext(0, rounds + 1, model.classifier_param_names(), weights))
+        rule = build_rule(spec.client, dict(spec.client_args, batch_size=batch_size))
+        rule.setup(_context(data, device, state, seed))
+        stats: dict = {}
+        for r in range(spec.untimed_rounds):
+            result = rule.train_round(model, RoundInput(r, total, stats))
+            weights = state_dict_numpy(model)
+            _, stats = server.aggregate([SiteUpdate(data.site or "site", weights, result.num_samples, result.stats)],
+                                        ServerContext(r, total, model.classifier_param_names(), weights, stats))
+        if spec.hide_labels:  # from here on the site has no label: the unlabelled branch
+            rule = build_rule(spec.client, dict(spec.client_args, batch_size=batch_size))
+            unlabelled_state = os.path.join(state, "unlabelled")
+            os.makedirs(unlabelled_state)
+            rule.setup(_context(hide_labels(data), device, unlabelled_state, seed))
         counter = _Counter(model)
         start = time.perf_counter()
-        for r in range(1, rounds + 1):
-            rule.train_round(model, RoundInput(r, rounds + 1, stats))
+        for r in range(spec.untimed_rounds, total):
+            result = rule.train_round(model, RoundInput(r, total, stats))
         seconds = time.perf_counter() - start
         counter.handle.remove()
     return {"images_per_s": counter.images / seconds, "seconds_per_round": seconds / rounds,
@@ -114,7 +207,9 @@ def rule_throughput(name: str, site_file: str, arch: str, batch_size: int, round
 
 def flare_overhead(workspace: str) -> Dict[str, float]:
     """From a simulator workspace's metrics.json: per round, wall time between aggregations minus
-    the slowest site's local time (validation + training), and bytes sent per site per round."""
+    the slowest site's local time (validation + training), and bytes sent per site per round
+    (mean over every site and round, and the largest statistics message: FedMLP sends prototypes
+    only after warm-up, FedIRM matrices only from labelled sites)."""
     rounds = json.load(open(os.path.join(workspace, "metrics.json")))["rounds"]
     stamps = [r.get("aggregated_at") for r in rounds]
     overheads, weights_b, stats_b = [], [], []
@@ -127,45 +222,62 @@ def flare_overhead(workspace: str) -> Dict[str, float]:
             stats_b.append(s.get("bytes_stats", 0))
     return {"flare_seconds_per_round": float(np.median(overheads)) if overheads else float("nan"),
             "bytes_weights_per_site_round": float(np.mean(weights_b)),
-            "bytes_stats_per_site_round": float(np.mean(stats_b))}
+            "bytes_stats_per_site_round": float(np.mean(stats_b)),
+            "bytes_stats_max": float(np.max(stats_b)) if stats_b else 0.0}
+
+
+def load_for_throughput(site_file: str, input_size: Optional[Sequence[int]] = None) -> Dataset:
+    """A site file, resized to the job's ``input_size`` (H, W) when given, as the executor does."""
+    from fedpartial.data.sitefile import load_site_file
+    from fedpartial.data.transforms import resize_dataset
+
+    data = load_site_file(site_file)
+    return resize_dataset(data, input_size) if input_size else data
+
+
+def _plain_targets(data: Dataset) -> torch.Tensor:
+    train = data.splits["train"]
+    if data.task == SEGMENTATION:
+        return torch.as_tensor((np.asarray(train.labels) > 0).astype(np.float32))
+    return torch.as_tensor(train.labels, dtype=torch.float32)
 
 
 def _cmd(args):
-    from fedpartial.data.sitefile import load_site_file
     from fedpartial.models import build_model
     from fedpartial.training.common import images_to_tensor, select_device
 
     torch.set_num_threads(args.threads)
     device = select_device(args.device)
-    data = load_site_file(args.site_file)
-    train = data.splits["train"]
-    x = images_to_tensor(train.images)
-    y = torch.as_tensor(train.labels, dtype=torch.float32)
+    size = [int(v) for v in args.input_size.split(",")] if args.input_size else None
+    data = load_for_throughput(args.site_file, size)
+    methods = methods_for(data.task) if args.methods == "auto" else args.methods.split(",")
+    arch = args.arch if args.arch != "auto" else ("unet" if data.task == SEGMENTATION else "small_cnn")
+    arch_args = json.loads(args.arch_args) if args.arch_args else {}
+    x = images_to_tensor(data.splits["train"].images)
     channels = x.shape[1]
-    lines = [f"device {device}, {args.threads} thread(s), arch {args.arch}, batch {args.batch_size}, "
-             f"site file {args.site_file} ({len(train)} images {tuple(x.shape[2:])})", "",
-             "| loop | images/s | ratio to plain loop | images through the student per round | s per round |",
+    lines = [f"device {device}, {args.threads} thread(s), arch {arch} {arch_args or ''}, batch {args.batch_size}, "
+             f"site file {args.site_file} ({data.task}, {len(data.splits['train'])} images {tuple(x.shape[2:])})",
+             "", "| loop | images/s | ratio to plain loop | images through the student per round | s per round |",
              "|---|---|---|---|---|"]
     torch.manual_seed(0)
-    plain = plain_loop(build_model(args.arch, data.num_classes, channels).to(device), x, y, args.batch_size,
-                       args.steps, device, data.task)
+    plain = plain_loop(build_model(arch, data.num_classes, channels, **arch_args).to(device), x, _plain_targets(data),
+                       args.batch_size, args.steps, device, data.task)
     lines.append(f"| plain PyTorch loop | {plain:.0f} | 1.00 | – | – |")
-    results = {"plain": plain}
-    for name in args.methods.split(","):
+    results: Dict[str, object] = {"plain": plain}
+    for name in methods:
         try:
-            r = rule_throughput(name, args.site_file, args.arch, args.batch_size, args.rounds, device)
+            r = rule_throughput(name, data, arch, args.batch_size, args.rounds, device, arch_args=arch_args)
         except Exception as e:  # report and go on: one method's failure must not hide the others
             lines.append(f"| {name} | error: {e} | | | |")
             continue
         results[name] = r
         lines.append(f"| {name} rule | {r['images_per_s']:.0f} | {r['images_per_s'] / plain:.2f} | "
                      f"{r['train_images_per_round']:.0f} | {r['seconds_per_round']:.2f} |")
-    if args.workspace:
-        for ws in args.workspace:
-            o = flare_overhead(ws)
-            lines += ["", f"{ws}: FLARE time per round beyond local work {o['flare_seconds_per_round']:.2f} s; "
-                          f"sent per site per round: weights {o['bytes_weights_per_site_round'] / 1e6:.3f} MB, "
-                          f"statistics {o['bytes_stats_per_site_round']:.0f} B"]
+    for ws in args.workspace:
+        o = flare_overhead(ws)
+        lines += ["", f"{ws}: FLARE time per round beyond local work {o['flare_seconds_per_round']:.2f} s; "
+                      f"sent per site per round: weights {o['bytes_weights_per_site_round'] / 1e6:.3f} MB, "
+                      f"statistics {o['bytes_stats_per_site_round']:.0f} B (largest {o['bytes_stats_max']:.0f} B)"]
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
@@ -175,11 +287,15 @@ def _cmd(args):
 def add_throughput_parser(sub) -> None:
     s = sub.add_parser("throughput", help="images/s of each method's client rule vs a plain PyTorch loop")
     s.add_argument("--site-file", required=True, help="a site file made by 'split'")
-    s.add_argument("--arch", default="small_cnn")
+    s.add_argument("--arch", default="auto", help="model arch; auto = small_cnn (classification) or unet")
+    s.add_argument("--arch-args", default="", metavar="JSON", help="architecture options, e.g. a job's arch_args")
+    s.add_argument("--input-size", default="", metavar="H,W",
+                   help="resize the site's images first, as a job's model.input_size does (e.g. 64,64)")
     s.add_argument("--batch-size", type=int, default=64)
     s.add_argument("--steps", type=int, default=60, help="timed steps of the plain loop")
     s.add_argument("--rounds", type=int, default=1, help="timed rounds per method")
-    s.add_argument("--methods", default="fedavg,fedlsm,fedmlp,fedirm")
+    s.add_argument("--methods", default="auto",
+                   help=f"comma list of {sorted(RULES)}; auto = every method that runs on the site file's task")
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--device", default="auto")
     s.add_argument("--workspace", action="append", default=[], help="simulator workspace(s) for FLARE overhead")
