@@ -239,3 +239,45 @@ def test_privacy_filters_in_a_job_config(tmp_path):
     log = (Path(summary["workspace"]) / "simulator.log").read_text(errors="replace")
     assert "site statistics filtered (min_count=5)" in log
     assert "restored full weights (from weight diff; 1 parameter(s) taken from the global model)" in log
+
+
+def test_privacy_measure_wires_the_percentile_filter_chain(tmp_path, monkeypatch):
+    """``python -m fedpartial.privacy measure --percentile``: the filtered run gets SendWeightDiff in
+    and out, PercentilePrivacy after it, RestoreFullWeights on the server; the plain run none."""
+    import json
+
+    from fedpartial import privacy
+
+    import os
+
+    import torch
+    from fedpartial.models import build_model
+    from fedpartial.models.io import save_model_file
+
+    torch.manual_seed(0)
+    model = build_model("small_cnn", 4, 1, width=8, depth=2)
+    meta = {"task": "single-label", "class_names": privacy.DEMO_CLASSES, "normalisation": {"mean": 0.5, "std": 0.5},
+            "input_size": [16, 16]}
+    calls = []
+
+    def fake_simulate(job, data_root, ws, sets, log=None):  # records the filter settings, "trains" nothing
+        calls.append(dict(s.split("=", 1) for s in sets if s.startswith(("client.", "server."))))
+        os.makedirs(ws, exist_ok=True)
+        save_model_file(os.path.join(ws, "global_model.pt"), model, meta)
+        return {"exit_code": 0, "errors": []}
+
+    monkeypatch.setattr(privacy, "_simulate", lambda: fake_simulate)
+    result = privacy.measure(str(tmp_path / "ws"), stats_filter=False, percentile=10, gamma=0.5, rounds=1,
+                             log=lambda m: None)
+    plain, filtered = calls
+    assert json.loads(plain["client.task_result_filters"]) == [] and set(plain) == {"client.task_result_filters"}
+    out = [f["path"].rsplit(".", 1)[1] for f in json.loads(filtered["client.task_result_filters"])[0]["filters"]]
+    assert out == ["SendWeightDiff", "PercentilePrivacy"]
+    assert json.loads(filtered["client.task_result_filters"])[0]["filters"][1]["args"] == {"percentile": 10.0,
+                                                                                           "gamma": 0.5}
+    assert "SendWeightDiff" in filtered["client.task_data_filters"]
+    assert "RestoreFullWeights" in filtered["server.task_result_filters"]
+    assert result["percentile_filter"] == {"percentile": 10, "gamma": 0.5} and result["stats_filter"] is None
+    assert result["auc_difference"] == 0.0  # the same saved model twice
+    with pytest.raises(ValueError, match="nothing to compare"):
+        privacy.measure(str(tmp_path / "ws2"), stats_filter=False, percentile=None)

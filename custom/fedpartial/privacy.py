@@ -81,6 +81,30 @@ def filter_chain(preset: str, min_count: int, sigma: Dict[str, float], seed: Opt
                                               "args": args}]}]
 
 
+def filter_settings(stats_chain: list, percentile: Optional[float] = None, gamma: float = 0.01) -> List[str]:
+    """Job overrides putting the filters on: the statistics chain (may be empty) and, with
+    ``percentile``, NVFlare's ``PercentilePrivacy`` on the weights. That filter works on weight
+    differences, so the sites also get ``SendWeightDiff`` (in and out) and the server
+    ``RestoreFullWeights`` (docs/FAILURE_BEHAVIOUR.md).
+
+    Args:
+        stats_chain: from :func:`filter_chain`, or ``[]``.
+        percentile: PercentilePrivacy's percentile (its default is 10); None = no weight filter.
+        gamma: PercentilePrivacy's clipping bound (its default is 0.01).
+    """
+    result = [f for block in stats_chain for f in block["filters"]]
+    sets = []
+    if percentile is not None:
+        diff = {"path": "fedpartial.flare.filters.SendWeightDiff", "args": {}}
+        result += [diff, {"path": "nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",
+                          "args": {"percentile": float(percentile), "gamma": float(gamma)}}]
+        sets += ["client.task_data_filters=" + json.dumps([{"tasks": ["train"], "filters": [diff]}]),
+                 "server.task_result_filters=" + json.dumps([{"tasks": ["train"], "filters": [
+                     {"path": "fedpartial.flare.filters.RestoreFullWeights", "args": {}}]}])]
+    chain = [{"tasks": ["train"], "filters": result}] if result else []
+    return [f"client.task_result_filters={json.dumps(chain)}"] + sets
+
+
 def _test_auc(model_file: str, test: Split) -> float:
     from fedpartial.data.transforms import resize_dataset
     from fedpartial.evaluation import evaluate_split
@@ -98,8 +122,9 @@ def _test_auc(model_file: str, test: Split) -> float:
 
 def measure(workspace: str, job: str = "jobs/fedlsm", data_root: Optional[str] = None, test: Optional[Split] = None,
             preset: str = "fedlsm", min_count: int = 5, sigma: Optional[Dict[str, float]] = None, rounds: int = 5,
-            seeds: Sequence[int] = (0,), overrides: Sequence[str] = (), log=print) -> dict:
-    """Run ``job`` with and without the statistics filter and compare test AUC.
+            seeds: Sequence[int] = (0,), overrides: Sequence[str] = (), log=print, stats_filter: bool = True,
+            percentile: Optional[float] = None, gamma: float = 0.01) -> dict:
+    """Run ``job`` with and without the privacy filters and compare test AUC.
 
     Args:
         workspace: output folder (one simulator workspace per run, and ``privacy_effect.json``).
@@ -110,9 +135,12 @@ def measure(workspace: str, job: str = "jobs/fedlsm", data_root: Optional[str] =
         rounds: FL rounds per run.
         seeds: job seeds; each seed runs both variants (the noise seed follows it).
         overrides: extra ``key=value`` job settings (the demo adds a small model).
+        stats_filter: the filtered runs use the statistics filter (``preset``, ``min_count``, ``sigma``).
+        percentile / gamma: the filtered runs also put NVFlare's PercentilePrivacy on the weights.
     """
-    from fedpartial.jobtools import simulate
-
+    if not stats_filter and percentile is None:
+        raise ValueError("measure: nothing to compare: no statistics filter and no percentile filter")
+    simulate = _simulate()
     workspace = os.path.abspath(workspace)
     os.makedirs(workspace, exist_ok=True)
     sets = list(overrides)
@@ -130,11 +158,13 @@ def measure(workspace: str, job: str = "jobs/fedlsm", data_root: Optional[str] =
     runs: List[dict] = []
     for seed in seeds:
         for variant in ("plain", "filtered"):
-            chain = filter_chain(preset, min_count, sigma, seed) if variant == "filtered" else []
+            filters = filter_settings([])
+            if variant == "filtered":
+                chain = filter_chain(preset, min_count, sigma, seed) if stats_filter else []
+                filters = filter_settings(chain, percentile, gamma)
             ws = os.path.join(workspace, f"{variant}_seed{seed}")
             started = time.time()
-            summary = simulate(job, data_root, ws, [*sets, f"num_rounds={rounds}", f"seed={seed}",
-                                                    f"client.task_result_filters={json.dumps(chain)}"],
+            summary = simulate(job, data_root, ws, [*sets, f"num_rounds={rounds}", f"seed={seed}", *filters],
                                log=lambda m: None)
             if summary["exit_code"] != 0:
                 raise RuntimeError(f"{variant} run (seed {seed}) failed: {summary['errors']}")
@@ -143,13 +173,21 @@ def measure(workspace: str, job: str = "jobs/fedlsm", data_root: Optional[str] =
             log(f"seed {seed} {variant:8s}: test AUC {auc:.4f} ({runs[-1]['seconds']:.0f} s)")
     plain = np.mean([r["auc"] for r in runs if r["variant"] == "plain"])
     filtered = np.mean([r["auc"] for r in runs if r["variant"] == "filtered"])
-    result = {"job": job, "preset": preset, "min_count": min_count, "sigma": sigma, "rounds": rounds,
+    result = {"job": job, "stats_filter": {"preset": preset, "min_count": min_count, "sigma": sigma} if stats_filter
+              else None, "percentile_filter": None if percentile is None else {"percentile": percentile, "gamma": gamma},
+              "rounds": rounds,
               "seeds": list(seeds), "runs": runs, "auc_plain": float(plain), "auc_filtered": float(filtered),
               "auc_difference": float(filtered - plain)}
     with open(os.path.join(workspace, "privacy_effect.json"), "w") as f:
         json.dump(result, f, indent=1)
     log(f"mean test AUC: plain {plain:.4f}, filtered {filtered:.4f}, difference {filtered - plain:+.4f}")
     return result
+
+
+def _simulate():
+    from fedpartial.jobtools import simulate
+
+    return simulate
 
 
 def _parse_sigma(items: Sequence[str]) -> Dict[str, float]:
@@ -166,7 +204,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m fedpartial.privacy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("measure", help="test AUC with and without the statistics filter")
+    m = sub.add_parser("measure", help="test AUC with and without the privacy filters")
     m.add_argument("--workspace", required=True)
     m.add_argument("--job", default="jobs/fedlsm")
     m.add_argument("--data-root", default=None, help="site files (default: a synthetic demo split)")
@@ -174,6 +212,10 @@ def main(argv=None):
     m.add_argument("--preset", default="fedlsm")
     m.add_argument("--min-count", type=int, default=5)
     m.add_argument("--sigma", action="append", default=[], metavar="KEY=SIGMA", help="noise on one statistic")
+    m.add_argument("--no-stats-filter", action="store_true", help="measure the weight filter alone")
+    m.add_argument("--percentile", type=float, default=None,
+                   help="also put NVFlare's PercentilePrivacy (this percentile) on the weights")
+    m.add_argument("--gamma", type=float, default=0.01, help="PercentilePrivacy's clipping bound")
     m.add_argument("--rounds", type=int, default=5)
     m.add_argument("--seeds", default="0", help="comma-separated job seeds")
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="job override")
@@ -185,7 +227,8 @@ def main(argv=None):
 
             test = load_npz(args.test).splits["test"]
         measure(args.workspace, args.job, args.data_root, test, args.preset, args.min_count, _parse_sigma(args.sigma),
-                args.rounds, [int(s) for s in args.seeds.split(",")], args.set)
+                args.rounds, [int(s) for s in args.seeds.split(",")], args.set, stats_filter=not args.no_stats_filter,
+                percentile=args.percentile, gamma=args.gamma)
     except (ValueError, FileNotFoundError, RuntimeError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
