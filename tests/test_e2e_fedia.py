@@ -39,7 +39,7 @@ def blob_split(rng, n, size=32, keep=1.0):
 
 def write_sites(root: Path, keeps=(0.4, 0.7, 1.0), n_train=8, n_val=4):
     """site-k.npz with incomplete train masks; reference/site-k_full.npz with the complete ones."""
-    sitefile = pytest.importorskip("fedpartial.data.sitefile", reason="fedpartial.data.sitefile not written yet")
+    from fedpartial.data import sitefile
     from fedpartial.data.types import SEGMENTATION, Dataset, Split
 
     write_site_file = sitefile.write_site_file

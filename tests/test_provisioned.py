@@ -34,7 +34,7 @@ CLASSES = ["c0", "c1", "c2", "c3"]
 
 def _write_sites(out: Path, rng) -> None:
     """Two tiny single-label sites; class c brightens its own 4x4 tile of a 16x16 RGB image."""
-    sitefile = pytest.importorskip("fedpartial.data.sitefile", reason="fedpartial.data.sitefile not written yet")
+    from fedpartial.data import sitefile
     from fedpartial.data.types import SINGLE_LABEL, Dataset, Split
 
     def learnable(n):
