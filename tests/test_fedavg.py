@@ -70,3 +70,40 @@ def test_single_label_unlabelled_sample_contributes_nothing():
     one = float(supervised_loss(logits[:1], labels[:1], mask[:1], "single-label", "missing-negative"))
     both = float(supervised_loss(logits, labels, mask, "single-label", "missing-negative"))
     assert math.isclose(one, both, rel_tol=1e-6)
+
+
+def test_semi_supervised_split_fedavg_is_the_labelled_sites_and_fedavg_full_all(tmp_path):
+    """FedIRM's bounds on a semi-supervised split (3 sites, the first labelled): ``fedavg`` lets the
+    unlabelled sites take no part (0 samples, model untouched), so the global model IS the labelled
+    site's; ``fedavg_full`` trains every site on its complete reference labels."""
+    from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext
+    from fedpartial.algorithms.fedavg import FedAvgServer, SupervisedClient
+    from fedpartial.data.partition import partition
+    from fedpartial.data.synthetic import make_classification
+    from fedpartial.models import build_model
+    from fedpartial.training.common import state_dict_numpy
+
+    data = make_classification("single-label", num_classes=3, n_train=60, n_val=12, n_test=6, size=16, seed=0)
+    sites, refs, _ = partition(data, "semi-supervised", sites=3, seed=0, labelled_sites=1)
+    torch.manual_seed(0)
+    model = build_model("small_cnn", 3, 1, width=8, depth=2)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def one_round(site_data, loss_mode):
+        rule = SupervisedClient(loss_mode=loss_mode, lr=1e-2, batch_size=8)
+        rule.setup(ClientContext(site=site_data.site, data=site_data, device=torch.device("cpu"),
+                                 state_dir=str(tmp_path), seed=0))
+        model.load_state_dict(start)
+        result = rule.train_round(model, RoundInput(0, 1))
+        return SiteUpdate(site_data.site, state_dict_numpy(model), result.num_samples)
+
+    partial = [one_round(s, "missing-negative") for s in sites]
+    sizes = [len(s.splits["train"]) for s in sites]
+    assert [u.num_samples for u in partial] == [sizes[0], 0, 0]
+    for u in partial[1:]:  # an unlabelled site does not train
+        assert all(np.array_equal(u.weights[k], start[k].numpy()) for k in u.weights)
+    ctx = ServerContext(round=0, num_rounds=1, classifier_param_names=model.classifier_param_names())
+    weights, _ = FedAvgServer().aggregate(partial, ctx)
+    assert all(np.array_equal(weights[k], partial[0].weights[k]) for k in weights)
+    full = [one_round(r, "full") for r in refs]
+    assert [u.num_samples for u in full] == sizes
