@@ -165,8 +165,8 @@ def test_diagnostics_reach_the_method_job_only(tmp_path, monkeypatch):
     rows = bench.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
                            extra=["rule_args.lr=0.01"], diagnostics=True, log=lambda *_: None)
     with_ref = [job for job, sets in calls if bench.REFERENCE_SET in sets]
-    # 3 baselines, the method and its variant (which runs the method's job folder)
-    assert with_ref == ["fedlsm", "fedlsm"] and len(calls) == 5
+    # 3 baselines, the method and its two variants (which run the method's job folder)
+    assert with_ref == ["fedlsm", "fedlsm", "fedlsm"] and len(calls) == 6
     assert all("seed=3" in sets and "rule_args.lr=0.01" in sets for _, sets in calls)
     assert json.loads(rows[0]["bench_args"]) == {"profile": "cpu", "rounds": None, "sets": ["rule_args.lr=0.01"],
                                                  "diagnostics": True}
@@ -417,3 +417,8 @@ def test_a_profile_on_other_data_refuses_a_split_made_from_another_file(tmp_path
     with pytest.raises(ValueError, match=r"split from ham10000_28.npz, but the gpu profile .* ham10000_64.npz"):
         bench.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[0], profile="gpu", data_dir=str(data_dir),
                         log=lambda *_: None)
+
+
+def test_reports_list_suites_in_suite_order_whatever_the_row_order():
+    rows = [{"suite": "fedia-dsb-m2"}, {"suite": "fedlsm-ham"}, {"suite": "fedirm-ham"}, {"suite": "fedlsm-ham"}]
+    assert bench.suites_of(rows) == ["fedlsm-ham", "fedirm-ham", "fedia-dsb-m2"]
