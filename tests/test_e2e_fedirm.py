@@ -58,6 +58,8 @@ def test_fedirm_job_runs_and_relation_matrix_reaches_unlabelled_site(tmp_path, j
                  "rule_args.mc_passes=2", "rule_args.augmentation=flip", "rule_args.ramp_rounds=2",
                  "rule_args.unlabelled_start_round=0",
                  "device=cpu"]
+    if job == "fedirm_multilabel":  # the executor's other memory layout, end to end
+        overrides.append("memory_format=channels_last")
     summary = simulate(str(REPO / "jobs" / job), str(data_root), str(tmp_path / "ws"), overrides, timeout=240,
                        log=lambda m: None)
     ws = Path(summary["workspace"])

@@ -174,3 +174,40 @@ def test_corrupt_and_foreign_files(tmp_path):
         load_model_file(truncated)
     with pytest.raises(FileNotFoundError, match="missing.pt"):
         load_model_file(tmp_path / "missing.pt")
+
+
+def test_channels_last_trains_the_same_model_and_sends_c_ordered_weights():
+    from fedpartial.training.common import load_state_numpy, place_model
+
+    torch.manual_seed(0)
+    plain = build_model("small_cnn", 3, 3, width=8, depth=2).eval()
+    nhwc = place_model(build_model("small_cnn", 3, 3, width=8, depth=2), torch.device("cpu"), "channels_last").eval()
+    conv = nhwc.body[0].weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    load_state_numpy(nhwc, state_dict_numpy(plain))  # copying keeps the layout
+    assert nhwc.body[0].weight.is_contiguous(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.allclose(plain(x)[1], nhwc(x)[1], atol=1e-5)
+    sent = state_dict_numpy(nhwc)
+    assert all(v.flags["C_CONTIGUOUS"] for v in sent.values())  # the wire never sees the layout
+    np.testing.assert_array_equal(sent["body.0.weight"], state_dict_numpy(plain)["body.0.weight"])
+    with pytest.raises(ValueError, match="nhwc"):
+        place_model(plain, torch.device("cpu"), "nhwc")
+
+
+def test_every_job_lets_the_site_pick_the_memory_format():
+    import glob
+    import json
+
+    from fedpartial.flare.executors import FedPartialExecutor
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = sorted(glob.glob(os.path.join(repo, "jobs", "*", "app", "config", "config_fed_client.json")))
+    assert len(paths) == 15
+    for path in paths:
+        client = json.load(open(path))
+        assert client["memory_format"] == "contiguous", path  # default: seeded runs repeat the README's
+        assert client["executors"][0]["executor"]["args"]["memory_format"] == "{memory_format}", path
+    with pytest.raises(ValueError, match="memory_format.*'nchw'"):
+        FedPartialExecutor(memory_format="nchw")

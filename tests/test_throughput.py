@@ -67,6 +67,14 @@ def test_rule_throughput_counts_student_images(name, task, expected_images):
         assert r["stats_keys"] == []  # an unlabelled site sends no statistics
 
 
+def test_rule_throughput_in_channels_last():
+    r = rule_throughput("fedirm", _site(SINGLE_LABEL), "small_cnn", BATCH, rounds=1, device=torch.device("cpu"),
+                        arch_args={"width": 8, "depth": 2}, memory_format="channels_last")
+    assert r["train_images_per_round"] == N_TRAIN
+    with pytest.raises(ValueError, match="memory_format 'nhwc'"):
+        rule_throughput("fedavg", _site(SINGLE_LABEL), "small_cnn", BATCH, 1, torch.device("cpu"), memory_format="nhwc")
+
+
 def test_a_method_on_the_wrong_task_is_refused():
     with pytest.raises(ValueError, match="fedmlp.*multi-label.*single-label"):
         rule_throughput("fedmlp", _site(SINGLE_LABEL), "small_cnn", BATCH, 1, torch.device("cpu"))
@@ -104,3 +112,21 @@ def test_flare_overhead_from_a_drawn_metrics_file(tmp_path):
     assert o["bytes_weights_per_site_round"] == 1000
     assert o["bytes_stats_per_site_round"] == pytest.approx(800 / 6)
     assert o["bytes_stats_max"] == 400
+
+
+def test_throughput_command_compares_memory_formats_in_one_run(tmp_path, capsys):
+    import json
+
+    from fedpartial.cli import main
+    from fedpartial.data.sitefile import write_site_file
+
+    site = str(tmp_path / "site-1.npz")
+    write_site_file(site, _site(SINGLE_LABEL))
+    out = str(tmp_path / "tp.json")
+    main(["throughput", "--site-file", site, "--methods", "fedavg", "--batch-size", str(BATCH), "--steps", "2",
+          "--arch-args", '{"width": 8, "depth": 2}', "--memory-format", "contiguous,channels_last", "--json", out])
+    table = capsys.readouterr().out
+    assert "| plain PyTorch loop | contiguous |" in table and "| fedavg rule | channels_last |" in table
+    results = json.load(open(out))
+    assert list(results) == ["contiguous", "channels_last"]
+    assert results["channels_last"]["fedavg"]["train_images_per_round"] == N_TRAIN

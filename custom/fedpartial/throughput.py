@@ -151,7 +151,8 @@ def _context(data: Dataset, device, state_dir: str, seed: int):
 
 
 def rule_throughput(name: str, data: Dataset, arch: str, batch_size: int, rounds: int, device,
-                    seed: int = 0, arch_args: Optional[Dict] = None) -> Dict[str, object]:
+                    seed: int = 0, arch_args: Optional[Dict] = None,
+                    memory_format: str = "contiguous") -> Dict[str, object]:
     """Images/s of one method's ``train_round`` on a site's data, after its untimed rounds.
 
     Args:
@@ -163,6 +164,7 @@ def rule_throughput(name: str, data: Dataset, arch: str, batch_size: int, rounds
         device: torch device.
         seed: seeds the model and the rounds.
         arch_args: architecture options (e.g. a job's ``model.arch_args``).
+        memory_format: the layout the model trains in, as the executor's ``memory_format``.
 
     Returns:
         ``images_per_s``, ``seconds_per_round``, ``train_images_per_round`` (images through the
@@ -171,14 +173,14 @@ def rule_throughput(name: str, data: Dataset, arch: str, batch_size: int, rounds
     from fedpartial.algorithms.base import RoundInput, ServerContext, SiteUpdate
     from fedpartial.flare.common import build_rule
     from fedpartial.models import build_model
-    from fedpartial.training.common import state_dict_numpy
+    from fedpartial.training.common import place_model, state_dict_numpy
 
     spec = RULES[name]
     if data.task not in spec.tasks:
         raise ValueError(f"method '{name}' runs on {list(spec.tasks)} site files; '{data.site}' holds {data.task}")
     channels = 1 if data.splits["train"].images.ndim == 3 else 3
     torch.manual_seed(seed)
-    model = build_model(arch, data.num_classes, channels, **dict(arch_args or {})).to(device)
+    model = place_model(build_model(arch, data.num_classes, channels, **dict(arch_args or {})), device, memory_format)
     server = build_rule(spec.server, spec.server_args)
     total = spec.untimed_rounds + rounds
     with tempfile.TemporaryDirectory() as state:
@@ -244,7 +246,7 @@ def _plain_targets(data: Dataset) -> torch.Tensor:
 
 def _cmd(args):
     from fedpartial.models import build_model
-    from fedpartial.training.common import images_to_tensor, select_device
+    from fedpartial.training.common import images_to_tensor, place_model, select_device
 
     torch.set_num_threads(args.threads)
     device = select_device(args.device)
@@ -255,24 +257,32 @@ def _cmd(args):
     arch_args = json.loads(args.arch_args) if args.arch_args else {}
     x = images_to_tensor(data.splits["train"].images)
     channels = x.shape[1]
+    formats = [f.strip() for f in args.memory_format.split(",") if f.strip()]
     lines = [f"device {device}, {args.threads} thread(s), arch {arch} {arch_args or ''}, batch {args.batch_size}, "
              f"site file {args.site_file} ({data.task}, {len(data.splits['train'])} images {tuple(x.shape[2:])})",
-             "", "| loop | images/s | ratio to plain loop | images through the student per round | s per round |",
-             "|---|---|---|---|---|"]
-    torch.manual_seed(0)
-    plain = plain_loop(build_model(arch, data.num_classes, channels, **arch_args).to(device), x, _plain_targets(data),
-                       args.batch_size, args.steps, device, data.task)
-    lines.append(f"| plain PyTorch loop | {plain:.0f} | 1.00 | – | – |")
-    results: Dict[str, object] = {"plain": plain}
-    for name in methods:
-        try:
-            r = rule_throughput(name, data, arch, args.batch_size, args.rounds, device, arch_args=arch_args)
-        except Exception as e:  # report and go on: one method's failure must not hide the others
-            lines.append(f"| {name} | error: {e} | | | |")
-            continue
-        results[name] = r
-        lines.append(f"| {name} rule | {r['images_per_s']:.0f} | {r['images_per_s'] / plain:.2f} | "
-                     f"{r['train_images_per_round']:.0f} | {r['seconds_per_round']:.2f} |")
+             "", "| loop | memory format | images/s | ratio to plain loop | ratio to the first format | "
+                 "images through the student per round | s per round |",
+             "|---|---|---|---|---|---|---|"]
+    results: Dict[str, Dict[str, object]] = {}
+    for fmt in formats:  # formats in one run, so their ratios compare like with like
+        torch.manual_seed(0)
+        model = place_model(build_model(arch, data.num_classes, channels, **arch_args), device, fmt)
+        plain = plain_loop(model, x, _plain_targets(data), args.batch_size, args.steps, device, data.task)
+        first = results[formats[0]] if results else None
+        vs_first = lambda name, v: f"{v / first[name]['images_per_s']:.2f}" if first and name in first else "–"  # noqa: E731
+        results[fmt] = {"plain": {"images_per_s": plain}}
+        lines.append(f"| plain PyTorch loop | {fmt} | {plain:.0f} | 1.00 | {vs_first('plain', plain)} | – | – |")
+        for name in methods:
+            try:
+                r = rule_throughput(name, data, arch, args.batch_size, args.rounds, device, arch_args=arch_args,
+                                    memory_format=fmt)
+            except Exception as e:  # report and go on: one method's failure must not hide the others
+                lines.append(f"| {name} | {fmt} | error: {e} | | | | |")
+                continue
+            results[fmt][name] = r
+            lines.append(f"| {name} rule | {fmt} | {r['images_per_s']:.0f} | {r['images_per_s'] / plain:.2f} | "
+                         f"{vs_first(name, r['images_per_s'])} | {r['train_images_per_round']:.0f} | "
+                         f"{r['seconds_per_round']:.2f} |")
     for ws in args.workspace:
         o = flare_overhead(ws)
         lines += ["", f"{ws}: FLARE time per round beyond local work {o['flare_seconds_per_round']:.2f} s; "
@@ -298,6 +308,9 @@ def add_throughput_parser(sub) -> None:
                    help=f"comma list of {sorted(RULES)}; auto = every method that runs on the site file's task")
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--device", default="auto")
+    s.add_argument("--memory-format", default="contiguous",
+                   help="comma list of the layouts the model trains in (the executor's memory_format: contiguous, "
+                        "channels_last), each for the plain loop too, all in one run")
     s.add_argument("--workspace", action="append", default=[], help="simulator workspace(s) for FLARE overhead")
     s.add_argument("--json", default="")
     s.set_defaults(func=_cmd)

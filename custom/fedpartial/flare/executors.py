@@ -20,7 +20,8 @@ from nvflare.app_common.app_constant import AppConstants
 from fedpartial.algorithms.base import ClientContext, RoundInput
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, build_model_from_settings, build_rule,
                                      model_settings)
-from fedpartial.training.common import load_state_numpy, select_device, state_dict_numpy
+from fedpartial.training.common import (MEMORY_FORMATS, load_state_numpy, place_model, select_device,
+                                        state_dict_numpy)
 
 DATA_ROOT_ENV = "FEDPARTIAL_DATA_ROOT"
 
@@ -70,6 +71,9 @@ class FedPartialExecutor(Executor):
         reference_file: pattern of the complete-label copy, read ONLY when set (diagnostics such as
             pseudo-label precision); method jobs leave it empty.
         device: ``auto`` (CUDA when present), ``cpu`` or ``cuda:N``.
+        memory_format: ``contiguous`` (default) or ``channels_last``: the layout the model trains in
+            (see ``fedpartial.training.common.place_model``; on CPU channels_last is 1.2-1.6x faster
+            for the methods with affine views, but a seeded run no longer repeats a contiguous one).
         seed: base seed; each site and round derives its own.
         key_metric: validation metric reported to the server for best-model selection.
         state_dir: where per-site state lives; empty = ``<site workspace>/fedpartial_state/<job id>``.
@@ -82,8 +86,11 @@ class FedPartialExecutor(Executor):
                  device: str = "auto", seed: int = 0, key_metric: str = "auc", state_dir: str = "",
                  tensorboard: bool = True, train_task_name: str = AppConstants.TASK_TRAIN,
                  submit_model_task_name: str = AppConstants.TASK_SUBMIT_MODEL,
-                 validate_task_name: str = AppConstants.TASK_VALIDATION):
+                 validate_task_name: str = AppConstants.TASK_VALIDATION, memory_format: str = "contiguous"):
         super().__init__()
+        if memory_format not in MEMORY_FORMATS:
+            raise ValueError(f"executor arg 'memory_format' is '{memory_format}', expected one of {list(MEMORY_FORMATS)}")
+        self.memory_format = memory_format
         self.rule_path, self.rule_args = rule, dict(rule_args or {})
         self.settings = model_settings(model or {})
         self.data_root, self.data_file, self.reference_file = data_root, data_file, reference_file
@@ -135,7 +142,7 @@ class FedPartialExecutor(Executor):
 
             self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tb", self.site))
         site_seed = self.seed * 1000 + zlib.crc32(self.site.encode()) % 1000
-        self.model = build_model_from_settings(self.settings).to(self.device)
+        self.model = place_model(build_model_from_settings(self.settings), self.device, self.memory_format)
         self.rule = build_rule(self.rule_path, self.rule_args)
         self._abort_signal = None
         ctx = ClientContext(site=self.site, data=self.data, device=self.device, state_dir=state_dir, seed=site_seed,
@@ -205,7 +212,7 @@ class FedPartialExecutor(Executor):
 
     def _validate_task(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
         dxo = from_shareable(shareable)
-        model = build_model_from_settings(self.settings).to(self.device)
+        model = place_model(build_model_from_settings(self.settings), self.device, self.memory_format)
         load_state_numpy(model, dxo.data)
         metrics = self.evaluate(model)
         self.log_info(fl_ctx, f"validation of model from {shareable.get_header(AppConstants.MODEL_OWNER, '?')}: "

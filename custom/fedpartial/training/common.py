@@ -25,6 +25,30 @@ def select_device(name: str = "auto") -> torch.device:
     return device
 
 
+MEMORY_FORMATS = ("contiguous", "channels_last")
+
+
+def place_model(model: torch.nn.Module, device: torch.device, memory_format: str = "contiguous") -> torch.nn.Module:
+    """Move ``model`` to ``device`` in the given memory format (in place; returns it).
+
+    ``channels_last`` makes PyTorch's CPU kernels independent of the image content: with the
+    default layout, max pooling on interpolated (affine-augmented) images runs ~6x slower than on
+    raw 8-bit images. It changes floating-point rounding, so a seeded run differs from a
+    ``contiguous`` one; the weights sent and saved stay plain C-ordered arrays either way.
+
+    Args:
+        model: the network.
+        device: where it trains.
+        memory_format: ``contiguous`` (PyTorch's default NCHW) or ``channels_last``.
+    """
+    if memory_format not in MEMORY_FORMATS:
+        raise ValueError(f"memory_format '{memory_format}' is not one of {list(MEMORY_FORMATS)}")
+    model.to(device)
+    if memory_format == "channels_last":
+        model.to(memory_format=torch.channels_last)
+    return model
+
+
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch so a round is repeatable.
 
@@ -173,7 +197,8 @@ def probabilities(logits: torch.Tensor, task: str) -> torch.Tensor:
 
 def state_dict_numpy(model: torch.nn.Module) -> Dict[str, np.ndarray]:
     """Model weights (parameters and buffers) as numpy arrays for the wire."""
-    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+    # C order whatever the training layout (channels_last), so the wire format never depends on it
+    return {k: np.asarray(v.detach().cpu().numpy(), order="C") for k, v in model.state_dict().items()}
 
 
 def load_state_numpy(model: torch.nn.Module, weights: Dict[str, np.ndarray]) -> None:
