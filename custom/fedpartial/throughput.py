@@ -244,6 +244,11 @@ def _plain_targets(data: Dataset) -> torch.Tensor:
     return torch.as_tensor(train.labels, dtype=torch.float32)
 
 
+def _ratio_to(first: Dict[str, Dict], name: str, images_per_s: float) -> str:
+    """``images_per_s`` over the first format's figure for ``name``; ``–`` when there is none."""
+    return f"{images_per_s / first[name]['images_per_s']:.2f}" if name in first else "–"
+
+
 def _cmd(args):
     from fedpartial.models import build_model
     from fedpartial.training.common import images_to_tensor, place_model, select_device
@@ -268,10 +273,9 @@ def _cmd(args):
         torch.manual_seed(0)
         model = place_model(build_model(arch, data.num_classes, channels, **arch_args), device, fmt)
         plain = plain_loop(model, x, _plain_targets(data), args.batch_size, args.steps, device, data.task)
-        first = results[formats[0]] if results else None
-        vs_first = lambda name, v: f"{v / first[name]['images_per_s']:.2f}" if first and name in first else "–"  # noqa: E731
+        first = results.get(formats[0], {})  # empty while the first format is measured
         results[fmt] = {"plain": {"images_per_s": plain}}
-        lines.append(f"| plain PyTorch loop | {fmt} | {plain:.0f} | 1.00 | {vs_first('plain', plain)} | – | – |")
+        lines.append(f"| plain PyTorch loop | {fmt} | {plain:.0f} | 1.00 | {_ratio_to(first, 'plain', plain)} | – | – |")
         for name in methods:
             try:
                 r = rule_throughput(name, data, arch, args.batch_size, args.rounds, device, arch_args=arch_args,
@@ -281,7 +285,7 @@ def _cmd(args):
                 continue
             results[fmt][name] = r
             lines.append(f"| {name} rule | {fmt} | {r['images_per_s']:.0f} | {r['images_per_s'] / plain:.2f} | "
-                         f"{vs_first(name, r['images_per_s'])} | {r['train_images_per_round']:.0f} | "
+                         f"{_ratio_to(first, name, r['images_per_s'])} | {r['train_images_per_round']:.0f} | "
                          f"{r['seconds_per_round']:.2f} |")
     for ws in args.workspace:
         o = flare_overhead(ws)

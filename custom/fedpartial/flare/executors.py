@@ -20,7 +20,7 @@ from nvflare.app_common.app_constant import AppConstants
 from fedpartial.algorithms.base import ClientContext, RoundInput
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, build_model_from_settings, build_rule,
                                      model_settings)
-from fedpartial.training.common import (MEMORY_FORMATS, load_state_numpy, place_model, select_device,
+from fedpartial.training.common import (check_memory_format, load_state_numpy, place_model, select_device,
                                         state_dict_numpy)
 
 DATA_ROOT_ENV = "FEDPARTIAL_DATA_ROOT"
@@ -88,9 +88,7 @@ class FedPartialExecutor(Executor):
                  submit_model_task_name: str = AppConstants.TASK_SUBMIT_MODEL,
                  validate_task_name: str = AppConstants.TASK_VALIDATION, memory_format: str = "contiguous"):
         super().__init__()
-        if memory_format not in MEMORY_FORMATS:
-            raise ValueError(f"executor arg 'memory_format' is '{memory_format}', expected one of {list(MEMORY_FORMATS)}")
-        self.memory_format = memory_format
+        self.memory_format = check_memory_format(memory_format)  # at job load, not at the first task
         self.rule_path, self.rule_args = rule, dict(rule_args or {})
         self.settings = model_settings(model or {})
         self.data_root, self.data_file, self.reference_file = data_root, data_file, reference_file
