@@ -54,7 +54,14 @@ SUBMIT="$(nvf --format json job submit -j "$STATE/jobs/$NAME" --startup-kit "$KI
 JOB_ID="$(echo "$SUBMIT" | json_field job_id)"
 [[ -n "$JOB_ID" ]] || poc_die "no job id in the submit reply: $SUBMIT"
 echo "submitted $NAME as job $JOB_ID (sites: $SITES); waiting (timeout ${TIMEOUT}s)..."
-STATUS_JSON="$(nvf --format json job wait "$JOB_ID" --timeout "$TIMEOUT" --startup-kit "$KIT")" || true
+# wait in the background and print round k/N, the key metric and time left meanwhile
+WAIT_OUT="$STATE/jobs/$NAME.wait.json"
+nvf --format json job wait "$JOB_ID" --timeout "$TIMEOUT" --startup-kit "$KIT" >"$WAIT_OUT" &
+WAIT_PID=$!
+"$PYTHON" -m fedpartial.deploy progress --job "$STATE/jobs/$NAME" --metrics "$PROD/server/$JOB_ID/metrics.json" \
+  --while-pid "$WAIT_PID" || true
+wait "$WAIT_PID" || true
+STATUS_JSON="$(cat "$WAIT_OUT")"
 STATUS="$(echo "$STATUS_JSON" | json_field status 2>/dev/null || true)"
 if [[ "$STATUS" != FINISHED* ]]; then
   echo "job $JOB_ID not finished after ${TIMEOUT}s (status '${STATUS:-?}'); aborting it" >&2

@@ -18,8 +18,14 @@ def _cmd_simulate(args):
 
     sets = (dataset_overrides(args.data_root) if args.fit_data else []) + list(args.set)
     summary = simulate(args.job, args.data_root, args.workspace, sets, threads=args.threads, timeout=args.timeout)
-    if summary["exit_code"] != 0:
-        print(f"warning: simulator exited with {summary['exit_code']}", file=sys.stderr)
+    if not summary["ok"]:
+        # a global model can exist after a failed run (e.g. a site dropped out and min_clients
+        # stopped the job after round 1): never report such a run as a success
+        print(f"error: the simulation did not complete: simulator exit code {summary['exit_code']}, "
+              f"{summary['rounds_completed']} of {summary['num_rounds']} rounds aggregated. First errors:\n"
+              f"{summary['errors'] or '(none logged)'}\nlog: {os.path.join(summary['workspace'], 'simulator.log')}",
+              file=sys.stderr)
+        raise SystemExit(1)
 
 
 def _cmd_package(args):

@@ -504,6 +504,20 @@ def _cmd_data_overrides(args):
     print("\n".join(dataset_overrides(args.data_root)))
 
 
+def _cmd_progress(args):
+    from fedpartial.jobtools import RoundProgress, _config_paths
+
+    config = json.load(open(_config_paths(args.job)["server"]))
+    progress = RoundProgress(int(config.get("num_rounds", 0)), str(config.get("key_metric", "")),
+                             log=lambda m: print(m, flush=True))
+    while True:
+        progress.update(args.metrics if os.path.isfile(args.metrics) else None)
+        if args.while_pid and not os.path.exists(f"/proc/{args.while_pid}") or \
+                progress.rounds_done >= progress.num_rounds:
+            break
+        time.sleep(args.every)
+
+
 def _cmd_stop_leftovers(args):
     killed = kill_workspace_processes(args.root, wait=args.wait)
     for pid, cmd in sorted(killed.items()):
@@ -559,6 +573,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("prod_dir")
     s.add_argument("--role", default="project_admin", help="project_admin | lead | org_admin | member")
     s.set_defaults(func=_cmd_admin_kit)
+    s = sub.add_parser("progress", help="print round k/N, the key metric and time left from a server's "
+                                        "metrics.json until the job's rounds are done or PID ends")
+    s.add_argument("--job", required=True, help="the packaged job folder (for num_rounds and key_metric)")
+    s.add_argument("--metrics", required=True, help="the server's <job id>/metrics.json (may not exist yet)")
+    s.add_argument("--while-pid", type=int, default=0, help="stop when this process has ended")
+    s.add_argument("--every", type=float, default=3.0, help="seconds between looks")
+    s.set_defaults(func=_cmd_progress)
     s = sub.add_parser("stop-leftovers", help="end every process naming ROOT; exit 1 if one survives")
     s.add_argument("root")
     s.add_argument("--wait", type=float, default=0, help="seconds to let them exit by themselves first")

@@ -160,7 +160,7 @@ def dataset_overrides(data_root: str) -> List[str]:
 
 
 def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[str] = (), threads: int = 0,
-             timeout: Optional[float] = None, log=print) -> dict:
+             timeout: Optional[float] = None, log=print, progress_every: float = 3.0) -> dict:
     """Run a job in the FLARE simulator, one site per site file, and collect the results in
     ``workspace``: ``global_model.pt``, ``best_global_model.pt``, ``metrics.json``,
     ``cross_site_val.json``, ``tb/`` (TensorBoard events of the server and every site).
@@ -172,7 +172,12 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
         overrides: ``key=value`` settings.
         threads: parallel client threads (0 = all sites at once).
         timeout: seconds before the simulator is stopped.
-        log: progress printer.
+        log: progress printer (one line per aggregated round).
+        progress_every: seconds between looks at the server's metrics.json.
+
+    Returns:
+        a summary: ``exit_code``, ``seconds``, ``workspace``, ``errors``, ``num_rounds``,
+        ``rounds_completed`` and ``ok`` (exit 0 and every round aggregated).
     """
     data_root = os.path.abspath(data_root)
     if not os.path.isdir(data_root):
@@ -197,17 +202,78 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
     env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     env.setdefault("TMPDIR", os.path.join(workspace, "tmp"))
     os.makedirs(env["TMPDIR"], exist_ok=True)
-    log(f"simulating {os.path.basename(job_dir.rstrip('/'))} with {len(sites)} sites: {', '.join(sites)}")
+    server_config = json.load(open(_config_paths(job)["server"]))
+    num_rounds, key_metric = int(server_config.get("num_rounds", 0)), str(server_config.get("key_metric", ""))
+    log(f"simulating {os.path.basename(job_dir.rstrip('/'))} with {len(sites)} sites: {', '.join(sites)}; "
+        f"{num_rounds} rounds")
     started = time.time()
+    progress = RoundProgress(num_rounds, key_metric, log, started)
     with open(os.path.join(workspace, "simulator.log"), "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            rc = proc.wait(timeout=timeout)
+            while True:
+                try:
+                    rc = proc.wait(timeout=progress_every)
+                    break
+                except subprocess.TimeoutExpired:
+                    if timeout is not None and time.time() - started > timeout:
+                        raise
+                    progress.update(_server_metrics(sim_ws))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
             raise RuntimeError(f"simulator exceeded {timeout} s; log: {workspace}/simulator.log")
-    return collect_results(sim_ws, workspace, rc, time.time() - started, log)
+    progress.update(_server_metrics(sim_ws))
+    summary = collect_results(sim_ws, workspace, rc, time.time() - started, log)
+    summary.update(num_rounds=num_rounds, rounds_completed=progress.rounds_done)
+    summary["ok"] = rc == 0 and progress.rounds_done >= num_rounds
+    return summary
+
+
+def _server_metrics(sim_ws: str) -> Optional[str]:
+    hits = glob.glob(os.path.join(sim_ws, "server", "*", "metrics.json"))
+    return hits[0] if hits else None
+
+
+class RoundProgress:
+    """Prints one line per aggregated round (round k/N, the key validation metric averaged over
+    the sites, time left) from the server's ``metrics.json`` while a run goes on.
+
+    Args:
+        num_rounds: rounds the job runs.
+        key_metric: validation metric to show (the job's ``key_metric``).
+        log: printer.
+        started: ``time.time()`` when the run started.
+    """
+
+    def __init__(self, num_rounds: int, key_metric: str, log=print, started: Optional[float] = None):
+        self.num_rounds, self.key_metric, self.log = num_rounds, key_metric, log
+        self.started = time.time() if started is None else started
+        self.rounds_done = 0
+
+    def update(self, metrics_path: Optional[str]) -> None:
+        if not metrics_path:
+            return
+        try:
+            with open(metrics_path) as f:
+                rounds = json.load(f).get("rounds", [])
+        except (OSError, ValueError):  # being replaced right now: read it next time
+            return
+        for record in rounds[self.rounds_done:]:
+            self.rounds_done += 1
+            self.log(self.line(record, self.rounds_done, time.time() - self.started))
+
+    def line(self, record: dict, done: int, elapsed: float) -> str:
+        """The progress line of one aggregated round."""
+        values = [s.get("val", {}).get(self.key_metric) for s in record.get("sites", {}).values()]
+        values = [float(v) for v in values if isinstance(v, (int, float))]
+        metric = f"val {self.key_metric} {sum(values) / len(values):.3f} (mean of {len(values)} sites)" \
+            if values else "no validation metric yet"
+        left = elapsed / done * max(self.num_rounds - done, 0) if done else 0.0
+        rejected = record.get("rejected") or {}
+        extra = f"; rejected: {', '.join(sorted(rejected))}" if rejected else ""
+        return (f"round {int(record.get('round', done - 1)) + 1}/{self.num_rounds}: {metric}; "
+                f"{elapsed:.0f} s elapsed, ~{left:.0f} s left{extra}")
 
 
 def _server_run_dir(sim_ws: str) -> Optional[str]:
