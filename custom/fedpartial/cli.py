@@ -1,4 +1,5 @@
-"""Command line: ``python -m fedpartial {split,simulate,evaluate,package-job,synthetic} ...``."""
+"""Command line: ``python -m fedpartial {split,import,simulate,evaluate,package-job,synthetic} ...``
+(``import {dicom,images,nifti}``: a site's own data + label CSV -> site file)."""
 from __future__ import annotations
 
 import argparse
@@ -166,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_throughput_parser(sub)
+    from fedpartial.data.importer import add_import_parser
+
+    add_import_parser(sub)
     return p
 
 

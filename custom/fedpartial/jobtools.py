@@ -136,14 +136,30 @@ def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_
     return out_dir
 
 
+def site_paths(data_root: str) -> Dict[str, str]:
+    """Sites of ``data_root``: each ``<site>.npz`` file and each ``<site>/`` site folder (one holding
+    ``meta.json``, the streaming layout); reference copies live in a subfolder and are not sites.
+
+    Args:
+        data_root: folder of site files / site folders.
+    """
+    found = {os.path.basename(p)[:-4]: p for p in glob.glob(os.path.join(data_root, "*.npz"))}
+    for meta in glob.glob(os.path.join(data_root, "*", "meta.json")):
+        folder = os.path.dirname(meta)
+        name = os.path.basename(folder)
+        if name in found:
+            raise ValueError(f"data root '{data_root}' holds both '{name}.npz' and a site folder '{name}/': "
+                             f"keep one")
+        found[name] = folder
+    if not found:
+        raise FileNotFoundError(f"no site files (*.npz) or site folders in data root '{data_root}'; make them with "
+                                f"'python -m fedpartial split ... --out {data_root}' or 'python -m fedpartial import'")
+    return {name: found[name] for name in sorted(found, key=lambda s: (len(s), s))}
+
+
 def site_names(data_root: str) -> List[str]:
-    """Sites = the ``site-*.npz`` files in ``data_root`` (reference copies live in a subfolder)."""
-    names = sorted((os.path.basename(p)[:-4] for p in glob.glob(os.path.join(data_root, "*.npz"))),
-                   key=lambda s: (len(s), s))
-    if not names:
-        raise FileNotFoundError(f"no site files (*.npz) in data root '{data_root}'; make them with "
-                                f"'python -m fedpartial split ... --out {data_root}'")
-    return names
+    """The site names of ``data_root`` (see :func:`site_paths`), in natural order."""
+    return list(site_paths(data_root))
 
 
 def dataset_overrides(data_root: str) -> List[str]:
@@ -151,8 +167,7 @@ def dataset_overrides(data_root: str) -> List[str]:
     names, task, channels, image size), read from the first site file."""
     from fedpartial.data.sitefile import load_site_file
 
-    first = site_names(data_root)[0]
-    data = load_site_file(os.path.join(data_root, f"{first}.npz"))
+    data = load_site_file(next(iter(site_paths(data_root).values())))
     images = data.splits["train"].images
     channels = 1 if images.ndim == 3 else int(images.shape[-1])
     return [f"model.class_names={json.dumps(list(data.class_names))}", f"model.task={data.task}",

@@ -1,53 +1,102 @@
 """DICOM folder + CSV manifest reader (pydicom).
 
-Manifest (CSV with a header row), one row per image, in one of two forms:
+The manifest is the CSV described in :mod:`fedpartial.data.images` (shared with PNG / JPEG
+folders), one row per DICOM file (an image or a multi-frame series):
 
-* ``file,split,label[,patient_id]``: ``label`` is one class per row for single-label data (a class
-  index ``0..C-1`` or a class name), or for multi-label data the positive classes separated by
-  ``|`` (names or indices; an empty cell = no finding).
-* ``file,split,<class 1>,<class 2>,...[,patient_id]``: one 0/1 column per class (multi-label);
-  the column headers are the class names.
+* ``file[,split],label[,patient_id]``: ``label`` is one class per row for single-label data (a
+  class index ``0..C-1`` or a class name), or for multi-label data the positive classes separated
+  by ``|`` (names or indices; an empty cell = no finding).
+* ``file[,split],<class 1>,<class 2>,...[,patient_id]``: one column per class holding ``1``, ``0``
+  or a BLANK cell = this class is not annotated at this site for this file (label 0,
+  ``label_mask`` False); the column headers are the class names.
 
-``file`` is relative to the folder; ``split`` is ``train``, ``val`` or ``test``; ``patient_id``
-(optional) keeps a patient's images on one site. The task is multi-label for the column form,
-when ``multi_label=True``, or when some ``label`` cell holds ``|`` or is empty; else single-label.
+``file`` is relative to the folder; ``split`` (optional; absent = every row is ``train``) is
+``train``, ``val`` or ``test``; ``patient_id`` (optional) keeps a patient's images on one site.
+The task is multi-label for the column form, when ``multi_label=True``, or when some ``label``
+cell holds ``|`` or is empty; else single-label. A multi-frame file gives one image per frame
+(id ``file:frame``), each with the labels of its row.
 """
 from __future__ import annotations
 
-import csv
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, DataError, Dataset, Split
+from fedpartial.data.images import assemble, read_manifest, resize_image
+from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, DataError, Dataset
 
 SPLITS = ("train", "val", "test")
-_META_COLUMNS = ("file", "split", "label", "patient_id")
+# (centre, width) in Hounsfield units for CT.
+WINDOW_PRESETS = {"brain": (40.0, 80.0), "lung": (-600.0, 1500.0), "soft-tissue": (40.0, 400.0),
+                  "abdomen": (40.0, 400.0), "bone": (400.0, 1800.0)}
+Window = Union[None, str, Tuple[float, float]]
+_resize = resize_image  # the old private name
 
 
-def dicom_to_uint8(path: str, window: Optional[Tuple[float, float]] = None) -> np.ndarray:
-    """Pixel data of one DICOM file as uint8: rescale slope / intercept, window (centre, width)
-    from ``window`` or the file's WindowCenter / WindowWidth (else min-max), MONOCHROME1 inverted.
-    Window mapping: ``low = centre - width/2``, ``high = centre + width/2``, value ->
-    ``round(clip((v - low) / width, 0, 1) * 255)``.
+def parse_window(window: Window) -> Optional[Tuple[float, float]]:
+    """A window as (centre, width).
+
+    Args:
+        window: None / "" (the file's own window), a preset name from ``WINDOW_PRESETS``, the text
+            ``"C,W"`` or a (centre, width) pair.
+    """
+    if window is None or (isinstance(window, str) and not window.strip()):
+        return None
+    if isinstance(window, str):
+        text = window.strip().lower()
+        if text in WINDOW_PRESETS:
+            return WINDOW_PRESETS[text]
+        parts = text.split(",")
+        try:
+            if len(parts) != 2:
+                raise ValueError(text)
+            centre, width = float(parts[0]), float(parts[1])
+        except ValueError:
+            raise DataError(f"window '{window}' is neither a preset {sorted(WINDOW_PRESETS)} nor 'centre,width'") \
+                from None
+    else:
+        centre, width = (float(v) for v in window)
+    if width <= 0:
+        raise DataError(f"window '{window}': width must be > 0")
+    return centre, width
+
+
+def dicom_frames(path: str, window: Window = None) -> np.ndarray:
+    """Every frame of one DICOM file as uint8 ``(F, H, W)`` grey or ``(F, H, W, 3)`` colour (F = 1
+    for a single-frame file).
+
+    Grey: rescale slope / intercept, window (centre, width) from ``window`` or the file's
+    WindowCenter / WindowWidth (else min-max over the whole file, so the frames of a series keep
+    one intensity scale), MONOCHROME1 inverted. Window mapping: ``low = centre - width/2``,
+    ``high = centre + width/2``, value -> ``round(clip((v - low) / width, 0, 1) * 255)``.
+    Colour: display values; more than 8 bits are scaled by the largest storable value.
 
     Args:
         path: the ``.dcm`` file.
-        window: (centre, width) in rescaled units, overriding the file's own.
+        window: see :func:`parse_window`; overrides the file's own window.
     """
     import pydicom
 
+    window = parse_window(window)
     try:
         ds = pydicom.dcmread(path)
         pixels = ds.pixel_array.astype(np.float64)
     except Exception as e:  # pydicom raises many types (InvalidDicomError, decoder errors, struct errors)
         raise DataError(f"DICOM file '{path}' is unreadable ({type(e).__name__}: {e})") from e
     samples = int(getattr(ds, "SamplesPerPixel", 1) or 1)
-    if pixels.ndim != (3 if samples == 3 else 2):
-        raise DataError(f"DICOM file '{path}' holds pixel data of shape {pixels.shape}; expected one 2D image "
-                        f"(multi-frame volumes: convert to NIfTI and use load_nifti_pairs)")
+    frames = int(getattr(ds, "NumberOfFrames", 1) or 1)
+    single_ndim = 3 if samples == 3 else 2
+    if pixels.ndim == single_ndim:
+        pixels = pixels[None]
+    if pixels.ndim != single_ndim + 1 or (frames > 1 and pixels.shape[0] != frames):
+        raise DataError(f"DICOM file '{path}' holds pixel data of shape {pixels.shape} ({samples} sample(s) per "
+                        f"pixel, {frames} frame(s)); expected 2D frames")
     if samples == 3:  # colour (e.g. dermoscopy): already display values, no rescale or window
+        # (pydicom 3's pixel_array already converts YBR colour to RGB)
+        bits = int(getattr(ds, "BitsStored", 8) or 8)
+        if bits > 8:
+            pixels = pixels * (255.0 / (2 ** bits - 1))
         return np.clip(pixels, 0, 255).round().astype(np.uint8)
     pixels = pixels * float(getattr(ds, "RescaleSlope", 1) or 1) + float(getattr(ds, "RescaleIntercept", 0) or 0)
     if window is None and "WindowCenter" in ds and "WindowWidth" in ds:
@@ -64,36 +113,26 @@ def dicom_to_uint8(path: str, window: Optional[Tuple[float, float]] = None) -> n
     return np.round(scaled * 255).astype(np.uint8)
 
 
-def _resize(image: np.ndarray, size: Optional[Sequence[int]]) -> np.ndarray:
-    if size is not None and np.isscalar(size):
-        size = (int(size), int(size))
-    if not size or tuple(image.shape[:2]) == tuple(size):
-        return image
-    from monai.transforms import Resize
+def dicom_to_uint8(path: str, window: Window = None) -> np.ndarray:
+    """Pixel data of one single-frame DICOM file as uint8 (H, W) or (H, W, 3); see
+    :func:`dicom_frames` for the mapping (multi-frame files: use ``dicom_frames``).
 
-    channel_first = image[None] if image.ndim == 2 else np.moveaxis(image, -1, 0)
-    out = np.asarray(Resize(spatial_size=tuple(size), mode="bilinear", anti_aliasing=True)(
-        channel_first.astype(np.float32)))
-    out = out[0] if image.ndim == 2 else np.moveaxis(out, 0, -1)
-    return np.clip(out, 0, 255).round().astype(np.uint8)
-
-
-def _class_of(token: str, names: List[str], where: str) -> int:
-    token = token.strip()
-    if token.lstrip("-").isdigit():
-        index = int(token)
-        if not 0 <= index < len(names):
-            raise DataError(f"{where}: class {index} outside 0..{len(names) - 1}")
-        return index
-    if token not in names:
-        raise DataError(f"{where}: class '{token}' is not one of {names}")
-    return names.index(token)
+    Args:
+        path: the ``.dcm`` file.
+        window: (centre, width) in rescaled units, a preset name or ``"C,W"``, overriding the
+            file's own window.
+    """
+    frames = dicom_frames(path, window)
+    if len(frames) != 1:
+        raise DataError(f"DICOM file '{path}' holds {len(frames)} frames; read it with dicom_frames")
+    return frames[0]
 
 
 def load_dicom_folder(folder: str, manifest_csv: str, class_names: Optional[List[str]] = None,
-                      multi_label: Optional[bool] = None, window: Optional[Tuple[float, float]] = None,
-                      size: Optional[Sequence[int]] = None) -> Dataset:
-    """Read the DICOM images listed in a CSV manifest (format in the module docstring).
+                      multi_label: Optional[bool] = None, window: Window = None,
+                      size: Optional[Sequence[int]] = None, task: Optional[str] = None,
+                      annotated_classes: Optional[Sequence[str]] = None) -> Dataset:
+    """Read the DICOM files listed in a CSV manifest (format in the module docstring).
 
     Args:
         folder: root folder of the files named in the manifest.
@@ -101,85 +140,29 @@ def load_dicom_folder(folder: str, manifest_csv: str, class_names: Optional[List
         class_names: the C class names; default: the class columns, else ``class_0..`` for
             index labels, else the sorted names found in ``label``.
         multi_label: force the task (None = decide from the manifest, see the module docstring).
-        window: (centre, width) applied to every image; default: each file's own window.
+        window: preset name (``brain``, ``lung``, ``soft-tissue``/``abdomen``, ``bone``),
+            ``"C,W"`` or (centre, width) applied to every image; default: each file's own window.
         size: resize every image to (H, W) (or an int for square); required when sizes differ.
+        task: ``single-label`` / ``multi-label``; the same as ``multi_label`` (which wins if both given).
+        annotated_classes: label-column form: the classes this site annotates (default all).
 
     Raises:
-        DataError: naming the manifest line / file for unreadable files, unknown classes or splits.
+        DataError: naming the manifest line / column / file for unreadable or missing files,
+            duplicate rows, bad label cells, unknown classes or splits.
     """
-    if not os.path.isfile(manifest_csv):
-        raise DataError(f"manifest '{manifest_csv}' not found")
-    with open(manifest_csv, newline="") as f:
-        reader = csv.DictReader(f)
-        columns = [c.strip() for c in (reader.fieldnames or [])]
-        rows = [{(k or "").strip(): (v or "").strip() for k, v in row.items()} for row in reader]
-    missing = {"file", "split"} - set(columns)
-    if missing:
-        raise DataError(f"manifest '{manifest_csv}' lacks column(s) {sorted(missing)} (has {columns})")
-    if not rows:
-        raise DataError(f"manifest '{manifest_csv}' lists no images")
-    class_columns = [c for c in columns if c not in _META_COLUMNS]
-    if "label" not in columns and not class_columns:
-        raise DataError(f"manifest '{manifest_csv}' has neither a 'label' column nor one 0/1 column per class")
-    column_form = "label" not in columns
-    if column_form:
-        multi_label = True if multi_label is None else multi_label
-        if not multi_label:
-            raise DataError(f"manifest '{manifest_csv}': 0/1 class columns are a multi-label layout")
-        class_names = list(class_names or class_columns)
-        absent = [c for c in class_names if c not in class_columns]
-        if absent:
-            raise DataError(f"manifest '{manifest_csv}' has no column for class(es) {absent}")
-    else:
-        cells = [r["label"] for r in rows]
-        if multi_label is None:
-            multi_label = any("|" in c or c == "" for c in cells)
-        if class_names is None:
-            tokens = [t.strip() for c in cells for t in (c.split("|") if multi_label else [c]) if t.strip()]
-            if tokens and all(t.isdigit() for t in tokens):
-                class_names = [f"class_{i}" for i in range(max(int(t) for t in tokens) + 1)]
-            else:
-                class_names = sorted(set(tokens))
-        class_names = list(class_names)
-    if not class_names:
-        raise DataError(f"manifest '{manifest_csv}' names no class")
-    per_split = {}
-    for line, row in enumerate(rows, start=2):
-        where = f"manifest '{manifest_csv}' line {line}"
-        if row["split"] not in SPLITS:
-            raise DataError(f"{where}: split '{row['split']}' is not one of {SPLITS}")
-        if not row["file"]:
-            raise DataError(f"{where}: empty 'file'")
-        path = os.path.join(folder, row["file"])
+    if multi_label is not None:
+        task = MULTI_LABEL if multi_label else SINGLE_LABEL
+    window = parse_window(window)
+    manifest = read_manifest(manifest_csv, class_names, task, annotated_classes)
+    stacks, ids = [], []
+    for row in manifest.rows:
+        path = os.path.join(folder, row.id)
         if not os.path.isfile(path):
-            raise DataError(f"{where}: DICOM file '{path}' not found")
-        image = _resize(dicom_to_uint8(path, window), size)
-        labels = np.zeros(len(class_names), np.float32)
-        if column_form:
-            for c, name in enumerate(class_names):
-                if row[name] not in ("0", "1"):
-                    raise DataError(f"{where}: column '{name}' is '{row[name]}'; expected 0 or 1")
-                labels[c] = float(row[name])
-        elif multi_label:
-            for token in filter(None, (x.strip() for x in row["label"].split("|"))):
-                labels[_class_of(token, class_names, where)] = 1
-        else:
-            if not row["label"]:
-                raise DataError(f"{where}: empty label in single-label data")
-            labels[_class_of(row["label"], class_names, where)] = 1
-        entry = per_split.setdefault(row["split"], {"images": [], "labels": [], "ids": [], "groups": []})
-        entry["images"].append(image)
-        entry["labels"].append(labels)
-        entry["ids"].append(row["file"])
-        entry["groups"].append(row.get("patient_id") or row["file"])
-    shapes = {im.shape for e in per_split.values() for im in e["images"]}
-    if len(shapes) > 1:
-        raise DataError(f"DICOM images listed in '{manifest_csv}' differ in size {sorted(shapes)}; pass size=(H, W)")
-    splits = {}
-    for name, e in per_split.items():
-        labels = np.stack(e["labels"])
-        splits[name] = Split(np.stack(e["images"]), labels, np.ones_like(labels, bool), np.array(e["ids"]),
-                             np.array(e["groups"]))
-    if "train" not in splits:
-        raise DataError(f"manifest '{manifest_csv}' lists no 'train' images")
-    return Dataset(MULTI_LABEL if multi_label else SINGLE_LABEL, list(class_names), splits, source=manifest_csv)
+            raise DataError(f"manifest '{manifest_csv}' line {row.line}, column '{manifest.id_column}': DICOM file "
+                            f"'{path}' not found")
+        frames = dicom_frames(path, window)
+        stacks.append(np.stack([resize_image(f, size) for f in frames]))
+        ids.append([row.id] if len(frames) == 1 else [f"{row.id}:{i}" for i in range(len(frames))])
+    data = assemble(manifest, stacks, ids, source=manifest_csv)
+    data.info.update(kind="dicom", folder=os.path.abspath(folder), window=None if window is None else list(window))
+    return data

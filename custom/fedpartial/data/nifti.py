@@ -1,8 +1,16 @@
 """NIfTI volumes + lesion masks (MONAI's LoadImage, nibabel backend), sliced into 2D images
-(MS lesion data comes this way)."""
+(MS lesion data comes this way).
+
+Pairs come from :func:`pair_nifti_files` (two folders or globs, matched by file name) or
+:func:`read_pairs_csv` (``image,mask[,split]`` rows); :func:`load_nifti_pairs` slices them.
+"""
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+import csv
+import glob
+import os
+import re
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -18,6 +26,13 @@ def _load_volume(path: str) -> np.ndarray:
         raise DataError(f"NIfTI file '{path}' is unreadable ({type(e).__name__}: {e})") from e
 
 
+def _squeeze(volume: np.ndarray) -> np.ndarray:
+    """Drop trailing length-1 axes (a 4D (X, Y, Z, 1) volume is a 3D one)."""
+    while volume.ndim > 3 and volume.shape[-1] == 1:
+        volume = volume[..., 0]
+    return volume
+
+
 def _to_uint8(volume: np.ndarray) -> np.ndarray:
     """Per-volume intensity scaling: the 0.5 and 99.5 percentiles map to 0 and 255 (clipped), so a
     few extreme voxels do not squash the contrast."""
@@ -25,9 +40,121 @@ def _to_uint8(volume: np.ndarray) -> np.ndarray:
     return np.round(np.clip((volume - low) / max(high - low, 1e-6), 0, 1) * 255).astype(np.uint8)
 
 
+NIFTI_SUFFIXES = (".nii.gz", ".nii")
+# Endings that tell a mask's file name from its image's (case-insensitive): "p1_mask" pairs with "p1".
+_MASK_ENDINGS = re.compile(r"[_\-.](mask|masks|seg|segmentation|label|labels|lesion|lesions|gt|roi)$", re.I)
+
+
+def _stem(path: str) -> str:
+    name = os.path.basename(path)
+    for suffix in NIFTI_SUFFIXES:
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def nifti_files(spec: str) -> List[str]:
+    """The ``.nii`` / ``.nii.gz`` files of a folder, or the files a glob pattern matches, sorted.
+
+    Args:
+        spec: a folder or a glob pattern (``masks/*_seg.nii.gz``).
+    """
+    if os.path.isdir(spec):
+        files = [os.path.join(spec, f) for f in os.listdir(spec) if f.lower().endswith(NIFTI_SUFFIXES)]
+    else:
+        files = [f for f in glob.glob(spec) if os.path.isfile(f)]
+    if not files:
+        raise DataError(f"no NIfTI file (.nii / .nii.gz) in '{spec}'")
+    return sorted(files)
+
+
+def pair_nifti_files(images: str, masks: str) -> Tuple[List[str], List[str], List[str]]:
+    """Match image volumes with their masks by file name: the same name, or the mask's name ending
+    in ``_mask``, ``_seg``, ``_label``, ``_lesion``, ``_gt``... (``p1.nii.gz`` <-> ``p1_seg.nii.gz``).
+
+    Args:
+        images: folder or glob of the image volumes.
+        masks: folder or glob of the masks.
+
+    Returns:
+        (image paths, mask paths, patient names = the image file names without extension).
+
+    Raises:
+        DataError: naming every image without a mask, mask without an image, or ambiguous name.
+    """
+    image_files, mask_files = nifti_files(images), nifti_files(masks)
+    if os.path.abspath(images) == os.path.abspath(masks):
+        # one folder holding both: the masks are the files whose name carries a mask ending
+        mask_files = [f for f in image_files if _MASK_ENDINGS.search(_stem(f))]
+        image_files = [f for f in image_files if f not in mask_files]
+    by_name: Dict[str, str] = {}
+    for f in mask_files:
+        key = _MASK_ENDINGS.sub("", _stem(f))
+        if key in by_name:
+            raise DataError(f"masks '{by_name[key]}' and '{f}' both match image name '{key}'")
+        by_name[key] = f
+    pairs, lonely = [], []
+    for f in image_files:
+        key = _stem(f) if _stem(f) in by_name else _MASK_ENDINGS.sub("", _stem(f))
+        if key in by_name:
+            pairs.append((f, by_name.pop(key), _stem(f)))
+        else:
+            lonely.append(f)
+    if lonely or by_name:
+        raise DataError(f"cannot pair NIfTI images '{images}' with masks '{masks}': images without a mask "
+                        f"{lonely}, masks without an image {sorted(by_name.values())} (a mask is named like its "
+                        f"image, optionally ending in _mask / _seg / _label / _lesion / _gt)")
+    return [p[0] for p in pairs], [p[1] for p in pairs], [p[2] for p in pairs]
+
+
+def read_pairs_csv(pairs_csv: str) -> Tuple[List[str], List[str], List[str], List[str]]:
+    """Read ``image,mask[,split]`` rows (paths relative to the CSV's folder).
+
+    Args:
+        pairs_csv: the CSV (header row ``image,mask`` and optionally ``split``).
+
+    Returns:
+        (image paths, mask paths, splits, patient names).
+
+    Raises:
+        DataError: naming the CSV, line and column of a missing file, bad split or repeated image.
+    """
+    if not os.path.isfile(pairs_csv):
+        raise DataError(f"pairs CSV '{pairs_csv}' not found")
+    root = os.path.dirname(os.path.abspath(pairs_csv))
+    with open(pairs_csv, newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        columns = [c.strip() for c in reader.fieldnames or []]
+        rows = [(reader.line_num, {(k or "").strip(): (v or "").strip() for k, v in row.items()}) for row in reader]
+    if not {"image", "mask"} <= set(columns):
+        raise DataError(f"pairs CSV '{pairs_csv}' needs columns 'image' and 'mask' (has {columns})")
+    rows = [(line, row) for line, row in rows if any(row.values())]
+    if not rows:
+        raise DataError(f"pairs CSV '{pairs_csv}' lists no volumes")
+    images, masks, splits, names, seen = [], [], [], [], {}
+    for line, row in rows:
+        where = f"pairs CSV '{pairs_csv}' line {line}"
+        for column in ("image", "mask"):
+            path = os.path.join(root, row[column])
+            if not row[column] or not os.path.isfile(path):
+                raise DataError(f"{where}, column '{column}': file '{path}' not found")
+        if row["image"] in seen:
+            raise DataError(f"pairs CSV '{pairs_csv}': image '{row['image']}' is listed twice, on lines "
+                            f"{seen[row['image']]} and {line}")
+        seen[row["image"]] = line
+        split = row.get("split") or "train"
+        if split not in ("train", "val", "test"):
+            raise DataError(f"{where}, column 'split': '{split}' is not train, val or test")
+        images.append(os.path.join(root, row["image"]))
+        masks.append(os.path.join(root, row["mask"]))
+        splits.append(split)
+        names.append(_stem(row["image"]))
+    return images, masks, splits, names
+
+
 def load_nifti_pairs(image_paths: Sequence[str], mask_paths: Sequence[str], axis: int = 2,
                      size: Optional[Sequence[int]] = None, keep_empty_slices: bool = True,
-                     splits: Optional[Sequence[str]] = None) -> Dataset:
+                     splits: Optional[Sequence[str]] = None, patient_ids: Optional[Sequence[str]] = None) -> Dataset:
     """Slice NIfTI volumes and their masks into a 2D segmentation dataset.
 
     Args:
@@ -37,6 +164,12 @@ def load_nifti_pairs(image_paths: Sequence[str], mask_paths: Sequence[str], axis
         size: resize slices to (H, W) (bilinear images, nearest masks).
         keep_empty_slices: keep slices without lesions.
         splits: per volume, the split it belongs to (default: all ``train``).
+        patient_ids: per volume, a name used in the slice ids (``name:slice``) and as the group;
+            default the volume's index.
+
+    Raises:
+        DataError: naming both files when an image and its mask differ in shape, or the file
+            that is unreadable.
     """
     image_paths, mask_paths = [str(p) for p in image_paths], [str(p) for p in mask_paths]
     if len(image_paths) != len(mask_paths):
@@ -47,11 +180,14 @@ def load_nifti_pairs(image_paths: Sequence[str], mask_paths: Sequence[str], axis
     for path, split in zip(image_paths, splits):
         if split not in ("train", "val", "test"):
             raise DataError(f"volume '{path}': split '{split}' is not train, val or test")
+    names = list(patient_ids) if patient_ids is not None else list(range(len(image_paths)))
+    if len(names) != len(image_paths):
+        raise DataError(f"{len(names)} patient ids for {len(image_paths)} volumes")
     if size is not None and np.isscalar(size):
         size = (int(size), int(size))
     parts: Dict[str, Dict[str, list]] = {}
     for patient, (img_path, mask_path, split) in enumerate(zip(image_paths, mask_paths, splits)):
-        image, mask = _load_volume(img_path), _load_volume(mask_path)
+        image, mask = _squeeze(_load_volume(img_path)), _squeeze(_load_volume(mask_path))
         if image.shape != mask.shape:
             raise DataError(f"image '{img_path}' has shape {image.shape} but mask '{mask_path}' has {mask.shape}")
         if image.ndim != 3 or not -3 <= axis < 3:
@@ -70,8 +206,8 @@ def load_nifti_pairs(image_paths: Sequence[str], mask_paths: Sequence[str], axis
             entry = parts.setdefault(split, {"images": [], "masks": [], "ids": [], "groups": []})
             entry["images"].append(im)
             entry["masks"].append(m)
-            entry["ids"].append(f"{patient}:{index}")
-            entry["groups"].append(patient)
+            entry["ids"].append(f"{names[patient]}:{index}")
+            entry["groups"].append(names[patient])
     out = {}
     shapes = {im.shape for e in parts.values() for im in e["images"]}
     if len(shapes) > 1:
@@ -79,6 +215,6 @@ def load_nifti_pairs(image_paths: Sequence[str], mask_paths: Sequence[str], axis
     for name, e in parts.items():
         images, masks = np.stack(e["images"]), np.stack(e["masks"])
         out[name] = Split(images, masks, None, np.array(e["ids"]), np.array(e["groups"]))
-    if "train" not in out:
-        raise DataError("no training slices (check 'splits' and keep_empty_slices)")
+    if not out:
+        raise DataError(f"no slices in {image_paths} (check 'splits' and keep_empty_slices)")
     return Dataset(SEGMENTATION, ["lesion"], out, source=",".join(image_paths))
