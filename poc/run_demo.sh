@@ -62,7 +62,7 @@ MODEL="$("$PYTHON" -m fedpartial.deploy results "$RESULT" | "$PYTHON" -c 'import
 [[ -n "$MODEL" ]] || poc_die "no global_model.pt in $RESULT"
 
 step "5/6 metrics of the final global model on the test split of $SOURCE"
-"$PYTHON" -m fedpartial evaluate --model "$MODEL" --data "$SOURCE" --split test \
+"$PYTHON" -m fedpartial evaluate --model "$MODEL" --data "$SOURCE" --split test --json \
   | tee "$STATE/final_metrics.json"
 echo
 echo "global model: $MODEL"

@@ -7,6 +7,8 @@
 #
 #   JOB          a folder of jobs/ (e.g. jobs/fedavg) or its name (fedavg)
 #   --data-root  folder where every site finds <site>.npz (absolute path on the sites' machine)
+#   --fit-data   set the job's model block (class names, task, channels, image size) from the site
+#                files in --data-root, as 'python -m fedpartial simulate --fit-data' does
 #   --set        job setting overrides, as for 'python -m fedpartial simulate'
 #   --timeout    abort the job after this many seconds (default 1800)
 #   --gpus       resource_spec: GPUs each site must have (default none: CPU-only sites accept the job)
@@ -24,11 +26,12 @@ JOB="${1:-}"; shift || true
 [[ -f "$JOB/meta.json" ]] || poc_die "'$JOB' is not a job folder (no meta.json)"
 JOB="$(cd "$JOB" && pwd)"
 NAME="$(basename "$JOB")"
-TIMEOUT=1800; GPUS=0; GPU_MEM=0; PKG_ARGS=()
+TIMEOUT=1800; GPUS=0; GPU_MEM=0; PKG_ARGS=(); FIT=0; DATA_ROOT=""; USER_SETS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --data-root) PKG_ARGS+=(--data-root "$(cd "$2" && pwd)"); shift 2;;
-    --set) PKG_ARGS+=(--set "$2"); shift 2;;
+    --data-root) DATA_ROOT="$(cd "$2" && pwd)"; PKG_ARGS+=(--data-root "$DATA_ROOT"); shift 2;;
+    --fit-data) FIT=1; shift;;
+    --set) USER_SETS+=(--set "$2"); shift 2;;
     --timeout) TIMEOUT="$2"; shift 2;;
     --gpus) GPUS="$2"; shift 2;;
     --gpu-mem) GPU_MEM="$2"; shift 2;;
@@ -36,6 +39,12 @@ while [[ $# -gt 0 ]]; do
     *) poc_die "unknown argument '$1'";;
   esac
 done
+if [[ "$FIT" == 1 ]]; then
+  [[ -n "$DATA_ROOT" ]] || poc_die "--fit-data needs --data-root"
+  mapfile -t FITTED < <("$PYTHON" -m fedpartial.deploy data-overrides "$DATA_ROOT")
+  for s in "${FITTED[@]}"; do PKG_ARGS+=(--set "$s"); done
+fi
+PKG_ARGS+=("${USER_SETS[@]}")   # after the fitted ones, so a --set wins
 KIT="$(poc_admin_kit)"
 PROD="$(poc_prod_dir)"
 SITES="$(ls -d "$PROD"/*/startup/fed_client.json 2>/dev/null | awk -F/ '{print $(NF-2)}' | sort -V | paste -sd, -)"
@@ -70,6 +79,7 @@ fi
 OUT="$STATE/results/$NAME"
 mkdir -p "$OUT"
 nvf job download "$JOB_ID" -o "$OUT" --force --startup-kit "$KIT" >/dev/null
+ln -sfn "$JOB_ID" "$OUT/latest"   # results/<job>/latest = the newest run of this job
 echo "job $JOB_ID: $STATUS; result in $OUT/$JOB_ID"
 "$PYTHON" -m fedpartial.deploy results "$OUT/$JOB_ID"
 [[ "$STATUS" == *COMPLETED ]] || { echo "error: job $JOB_ID ended $STATUS; see $OUT/$JOB_ID/workspace/log.txt" >&2; exit 1; }

@@ -63,7 +63,7 @@ def test_fedavg_in_simulator_then_evaluate(sites, tmp_path, capsys):
     cross = json.loads((ws / "cross_site_val.json").read_text())
     assert "SRV_global_model" in json.dumps(cross)
     capsys.readouterr()
-    cli(["evaluate", "--model", str(ws / "global_model.pt"), "--data", str(src), "--compact"])
+    cli(["evaluate", "--model", str(ws / "global_model.pt"), "--data", str(src), "--json", "--compact"])
     out = json.loads(capsys.readouterr().out)
     assert out["n"] == 60 and 0.0 <= out["auc"] <= 1.0 and set(out["per_class"]) == {f"finding_{i}" for i in range(4)}
 

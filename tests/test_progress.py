@@ -34,7 +34,9 @@ def test_progress_time_left_is_elapsed_per_round_times_rounds_to_go():
     progress = RoundProgress(10, "dice")
     # 2 rounds in 30 s -> 15 s a round, 8 to go -> 120 s
     line = progress.line({"round": 1, "sites": {}}, done=2, elapsed=30.0)
-    assert "30 s elapsed, ~120 s left" in line and "no validation metric yet" in line
+    assert "30 s elapsed, ~120 s left" in line and "no validation metric (no site has a val split)" in line
+    line = progress.line({"round": 1, "sites": {"site-1": {"val": {"dice": None}}}}, done=2, elapsed=30.0)
+    assert "val dice undefined at every site" in line
 
 
 def test_progress_ignores_a_half_written_file(tmp_path):

@@ -36,32 +36,82 @@ def _cmd_package(args):
     print(out)
 
 
+_CLASSIFICATION_KEYS = ("auc", "map", "bacc", "accuracy", "f1", "precision", "recall")
+_SEGMENTATION_KEYS = ("dice_per_image", "dice_pooled", "iou_per_image", "iou_pooled", "n_empty_both")
+
+
 def _cmd_evaluate(args):
-    from fedpartial.data.npz import load_npz
-    from fedpartial.evaluation import evaluate_split
-    from fedpartial.data.transforms import resize_dataset
+    from fedpartial.evaluation import evaluate_data
     from fedpartial.flare.common import jsonable
     from fedpartial.models.io import load_model_file
     from fedpartial.training.common import select_device
 
     device = select_device(args.device)
     model, meta = load_model_file(args.model, device=device)
-    data = load_npz(args.data)
-    if args.split not in data.splits:
-        raise SystemExit(f"error: '{args.data}' has no '{args.split}' split (it has {sorted(data.splits)})")
-    if data.task != meta["task"]:
-        raise SystemExit(f"error: model '{args.model}' is a {meta['task']} model; '{args.data}' holds {data.task} data")
-    if data.task != "segmentation" and list(data.class_names) != list(meta["class_names"]):
-        raise SystemExit(f"error: class names of '{args.data}' {data.class_names} differ from the model's "
-                         f"{meta['class_names']}")
-    size = tuple(meta.get("input_size") or (0, 0))
-    if any(size):
-        data = resize_dataset(data, size)
-    split = data.splits[args.split]
-    metrics = evaluate_split(model.to(device), split, data.task, data.class_names, meta["normalisation"], device)
-    out = {"model": os.path.abspath(args.model), "data": os.path.abspath(args.data), "split": args.split,
-           "n": len(split), **metrics}
-    print(json.dumps(jsonable(out), indent=None if args.compact else 1))
+    result = evaluate_data(model.to(device), meta, args.data, split=args.split, device=device,
+                           threshold=args.threshold)
+    out = {"model": os.path.abspath(args.model), **result}
+    if args.json or args.compact:
+        print(json.dumps(jsonable(out), indent=None if args.compact else 1))
+    else:
+        print(format_evaluation(out, meta))
+
+
+def _cell(value) -> str:
+    """A metric for the table: 4 decimals, ints as they are, undefined (NaN / None) as '-'."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    return str(value) if isinstance(value, int) else f"{value:.4f}"
+
+
+def _table(rows) -> list:
+    """Aligned text columns: the first left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in rows]
+
+
+def format_evaluation(out: dict, meta: dict) -> str:
+    """The short human-readable report of ``evaluate`` (``--json`` prints ``out`` itself).
+
+    Args:
+        out: :func:`fedpartial.evaluation.evaluate_data`'s result plus ``model``.
+        meta: the model's meta (task, classes, input size for the header).
+    """
+    seg = meta["task"] == "segmentation"
+    size = meta.get("input_size") or []
+    what = meta["task"] + ("" if seg else f", {len(meta['class_names'])} classes") + (
+        f", input {size[0]}x{size[1]}" if len(size) == 2 and all(size) else "")
+    sites = out.get("sites")
+    lines = [f"model  {out['model']} ({what})",
+             f"data   {out['data']}" + (f" ({len(sites)} sites)" if sites else ""),
+             f"split  {out['split']}", f"n      {out['n']}"]
+    metrics = out["pooled"] if sites else out
+    if seg:
+        lines.append(f"resolution  {metrics['resolution']} (model input {metrics['model_input']})")
+    lines += [f"note   {n}" for n in out.get("notes", [])]
+    keys = _SEGMENTATION_KEYS if seg else _CLASSIFICATION_KEYS
+    lines.append("")
+    if sites:
+        rows = [["site", "split", "n", *keys]]
+        rows += [[name, r["split"], str(r["n"]), *(_cell(r[k]) for k in keys)] for name, r in sites.items()]
+        rows.append(["pooled", "", str(out["n"]), *(_cell(metrics[k]) for k in keys)])
+        lines += _table(rows)
+    else:
+        lines += _table([["metric", "value"], *([k, _cell(metrics[k])] for k in keys)])
+    if seg:
+        lines += ["", f"per image: {metrics['empty_rule']}", "pooled: Dice / IoU over all pixels together"]
+    else:
+        per_class = metrics["per_class"]
+        masked = any("n" in v for v in per_class.values())
+        head = ["class" + (" (pooled)" if sites else ""), "auc", "ap", "f1", "n_pos"]
+        head += ["annotated"] if masked else []
+        rows = [head] + [[name, _cell(v["auc"]), _cell(v["ap"]), _cell(v["f1"]), str(v["n_pos"])]
+                         + ([str(v["n"])] if masked else []) for name, v in per_class.items()]
+        lines += [""] + _table(rows)
+        if masked:
+            lines.append("per class: only the samples where the class is annotated (label_mask)")
+    return "\n".join(lines)
 
 
 def _cmd_pseudo_labels(args):
@@ -136,12 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_set(s)
     s.set_defaults(func=_cmd_package)
 
-    s = sub.add_parser("evaluate", help="metrics of a saved model on a .npz file, as one JSON object")
-    s.add_argument("--model", required=True)
-    s.add_argument("--data", required=True)
-    s.add_argument("--split", default="test")
+    s = sub.add_parser("evaluate", help="metrics of a saved model on a .npz file or a folder of site files "
+                                        "(a table; --json for the full JSON)")
+    s.add_argument("--model", required=True, help="a fedpartial model file (global_model.pt)")
+    s.add_argument("--data", required=True,
+                   help="a .npz: source layout with any of train/val/test (e.g. a test-only MedMNIST-layout file) "
+                        "or a site file; a site folder; or a folder of site files / site folders, scored per site "
+                        "and pooled")
+    s.add_argument("--split", default=None,
+                   help="split to score (default: 'val' for site files; else 'test', or the only split present)")
+    s.add_argument("--threshold", type=float, default=0.5,
+                   help="probability threshold of multi-label and segmentation decisions")
     s.add_argument("--device", default="auto")
-    s.add_argument("--compact", action="store_true", help="one line of JSON")
+    s.add_argument("--json", action="store_true", help="print the full result as JSON instead of the table")
+    s.add_argument("--compact", action="store_true", help="one line of JSON (implies --json)")
     s.set_defaults(func=_cmd_evaluate)
 
     s = sub.add_parser("pseudo-labels", help="per site and class: the confident pseudo labels a single-label model "

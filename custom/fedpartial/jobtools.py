@@ -282,8 +282,13 @@ class RoundProgress:
         """The progress line of one aggregated round."""
         values = [s.get("val", {}).get(self.key_metric) for s in record.get("sites", {}).values()]
         values = [float(v) for v in values if isinstance(v, (int, float))]
-        metric = f"val {self.key_metric} {sum(values) / len(values):.3f} (mean of {len(values)} sites)" \
-            if values else "no validation metric yet"
+        validated = any(s.get("val") for s in record.get("sites", {}).values())
+        if values:
+            metric = f"val {self.key_metric} {sum(values) / len(values):.3f} (mean of {len(values)} sites)"
+        elif validated:  # e.g. AUC of a val split without a positive
+            metric = f"val {self.key_metric} undefined at every site"
+        else:
+            metric = "no validation metric (no site has a val split)"
         left = elapsed / done * max(self.num_rounds - done, 0) if done else 0.0
         rejected = record.get("rejected") or {}
         extra = f"; rejected: {', '.join(sorted(rejected))}" if rejected else ""

@@ -90,7 +90,7 @@ def write_hospital(folder: str, images: np.ndarray, labels: np.ndarray, patients
     return len(rows)
 
 
-def make_example(out: str, source: str = "", hospitals: int = 3, per_hospital: int = 120, test_images: int = 0,
+def make_example(out: str, source: str = "", hospitals: int = 3, per_hospital: int = 400, test_images: int = 0,
                  classes_per_hospital: int = 2, seed: int = 0) -> dict:
     """Hospitals ``hospital-1..K`` (each annotating ``classes_per_hospital`` classes, every class
     annotated somewhere) and a fully labelled ``test`` folder, all as DICOM + CSV under ``out``.
@@ -137,7 +137,7 @@ def main(argv=None):
     p.add_argument("--source", default=os.path.join("..", "shared", "data", "ct_ich_128.npz"),
                    help="multi-label .npz to take slices from (synthetic data when absent)")
     p.add_argument("--hospitals", type=int, default=3)
-    p.add_argument("--per-hospital", type=int, default=120)
+    p.add_argument("--per-hospital", type=int, default=400)
     p.add_argument("--test-images", type=int, default=0, help="0 = the whole test split")
     p.add_argument("--classes-per-hospital", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)

@@ -7,7 +7,7 @@ import json
 import os
 import tempfile
 import zipfile
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 
@@ -85,15 +85,26 @@ def _optional(arrays, split: str, *names):
     return None
 
 
-def load_npz(path: str) -> Dataset:
+def load_npz(path: str, require_train: bool = True, default_class_names: Optional[Sequence[str]] = None) -> Dataset:
     """Load a classification (MedMNIST layout) or segmentation ``.npz``, or a site file.
 
     Args:
         path: the ``.npz`` file.
+        require_train: refuse a file without a (non-empty) train split. Training needs one;
+            evaluation passes False so that a test-only file (e.g. the official ISIC 2018 test
+            set: ``test_images`` + ``test_labels``) or any subset of train/val/test loads.
+            Site files always need their train split.
+        default_class_names: class names to use when a classification file has no
+            ``label_names`` and its labels fit them (class indices below ``len(names)``, or
+            exactly ``len(names)`` label columns), e.g. the model's names when evaluating: a
+            test-only file may lack a class, so counting the classes from its labels would
+            undercount. ``info["class_names_from"]`` then says ``"given"``; names counted from
+            the labels (``class_0``...) say ``"labels"``.
 
     Raises:
         DataError: naming the file and key for unreadable files, missing keys, wrong shapes,
-            labels out of range or an empty train split.
+            labels out of range, a file without any split, or (``require_train``) an empty or
+            missing train split.
     """
     arrays = open_npz(path)
     if "task" in arrays and "site" in arrays:
@@ -101,14 +112,19 @@ def load_npz(path: str) -> Dataset:
 
         return dataset_from_site_arrays(arrays, path)
     segmentation = any(k.endswith("_masks") for k in arrays)
-    if "train_images" not in arrays:
+    if require_train and "train_images" not in arrays:
         raise DataError(f"'{path}' lacks 'train_images' (keys: {sorted(arrays)})")
-    label_count = None
+    if not any(f"{s}_images" in arrays for s in SPLITS):
+        raise DataError(f"'{path}' has none of {[f'{s}_images' for s in SPLITS]} (keys: {sorted(arrays)})")
+    label_count, names_from = None, None
     if not segmentation and "label_names" not in arrays:
         # official MedMNIST files carry no names: C = largest class index of any split + 1
         label_count = _count_classes(arrays, path)
+        names_from = "labels"
+        if default_class_names is not None and _labels_fit(arrays, label_count, len(default_class_names)):
+            label_count, names_from = len(default_class_names), "given"
     splits = {}
-    class_names = None
+    class_names = list(default_class_names) if names_from == "given" else None
     task = SEGMENTATION if segmentation else None
     if segmentation:
         names = _names(arrays, "class_names", None, path) if "class_names" in arrays else ["background", "lesion"]
@@ -152,10 +168,19 @@ def load_npz(path: str) -> Dataset:
         groups = _optional(arrays, split, "patient_ids")
         mask = None if segmentation else np.ones_like(labels, dtype=bool)
         splits[split] = Split(images, labels, mask, ids, groups)
-    if len(splits.get("train", [])) == 0:
+    if require_train and len(splits.get("train", [])) == 0:
         raise DataError(f"'{path}': the train split is empty")
     info = {"slices_flipped": True} if flip else {}
+    if names_from:
+        info["class_names_from"] = names_from
     return Dataset(task, list(class_names), splits, source=path, info=info)
+
+
+def _labels_fit(arrays: Dict[str, np.ndarray], counted: int, num_names: int) -> bool:
+    """Whether labels counted as ``counted`` classes fit ``num_names`` names: (N, C) columns
+    must match exactly, class indices only need to stay below ``num_names``."""
+    columns = any(a.ndim == 2 and a.shape[1] > 1 for k, a in arrays.items() if k.endswith("_labels"))
+    return counted == num_names if columns else counted <= num_names
 
 
 def _count_classes(arrays: Dict[str, np.ndarray], path: str) -> int:
@@ -171,7 +196,8 @@ def _count_classes(arrays: Dict[str, np.ndarray], path: str) -> int:
             raise DataError(f"'{path}': '{split}_labels' has dtype {raw.dtype}; class indices must be integers")
         counts.append(int(raw.max()) + 1)
     if not counts:
-        raise DataError(f"'{path}' lacks 'train_labels'")
+        present = [f"{s}_labels" for s in SPLITS if f"{s}_images" in arrays]
+        raise DataError(f"'{path}' lacks {present or ['train_labels']} (or they are empty)")
     return max(counts)
 
 

@@ -175,6 +175,27 @@ def flip_batch(batch: torch.Tensor, generator: Optional[torch.Generator] = None)
     return out
 
 
+def resize_images(images, size):
+    """Resize uint8 images ``(N, H, W)`` / ``(N, H, W, 3)`` to ``size`` (H, W): bilinear with
+    antialiasing (so downsizing averages rather than skips pixels), rounded back to uint8.
+
+    Args:
+        images: uint8 numpy array.
+        size: target (H, W).
+    """
+    import numpy as np
+    import torch.nn.functional as F
+
+    size = tuple(int(s) for s in size)
+    if tuple(images.shape[1:3]) == size:
+        return images
+    x = torch.from_numpy(np.ascontiguousarray(images))
+    x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
+    x = F.interpolate(x.float(), size=size, mode="bilinear", align_corners=False, antialias=True)
+    x = x.round().clamp(0, 255).to(torch.uint8)
+    return (x[:, 0] if images.ndim == 3 else x.permute(0, 2, 3, 1)).numpy()
+
+
 def resize_dataset(dataset, size):
     """Resize every split's images (bilinear) and segmentation masks (nearest) to ``size`` (H, W).
 
@@ -194,14 +215,10 @@ def resize_dataset(dataset, size):
         if tuple(images.shape[1:3]) == size:
             splits[name] = split
             continue
-        x = torch.from_numpy(np.ascontiguousarray(images))
-        x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)
-        x = F.interpolate(x.float(), size=size, mode="bilinear", align_corners=False, antialias=True)
-        x = x.round().clamp(0, 255).to(torch.uint8)
-        x = x[:, 0] if images.ndim == 3 else x.permute(0, 2, 3, 1)
+        resized = resize_images(images, size)
         labels = split.labels
         if dataset.is_segmentation:
             m = torch.from_numpy(np.ascontiguousarray(labels).astype(np.int64))[:, None].float()
             labels = F.interpolate(m, size=size, mode="nearest")[:, 0].numpy().astype(split.labels.dtype)
-        splits[name] = Split(x.numpy(), labels, split.label_mask, split.ids, split.groups)
+        splits[name] = Split(resized, labels, split.label_mask, split.ids, split.groups)
     return Dataset(dataset.task, list(dataset.class_names), splits, dataset.source, dataset.site, dict(dataset.info))

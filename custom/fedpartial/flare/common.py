@@ -63,7 +63,10 @@ def model_settings(model: Dict[str, Any]) -> Dict[str, Any]:
 
     Keys: ``arch``, ``arch_args`` (dict), ``in_channels``, ``class_names`` (list), ``task``,
     ``input_size`` ([H, W]; the size sites resize their images to, 0 = keep), ``normalisation``
-    ({mean, std}).
+    ({mean, std}), ``pretrained`` (server only: a local weights file whose body starts the
+    round-0 global model, see ``fedpartial.models.pretrained``; "" = none, the default; the
+    persistor expands ``~`` and looks a relative path up in the job's app folder, then the
+    server's workspace root).
     """
     from fedpartial.data.types import SEGMENTATION, TASKS
 
@@ -77,6 +80,8 @@ def model_settings(model: Dict[str, Any]) -> Dict[str, Any]:
     out.setdefault("arch_args", {})
     out.setdefault("input_size", [0, 0])
     out.setdefault("normalisation", {"mean": 0.5, "std": 0.5})
+    # --set parses JSON, so a file named "123" would arrive as a number: keep it a path.
+    out["pretrained"] = "" if out.get("pretrained") in (None, "") else str(out["pretrained"])
     out["num_classes"] = 1 if model["task"] == SEGMENTATION else len(model["class_names"])
     return out
 

@@ -39,6 +39,11 @@ class FedPartialPersistor(ModelPersistor):
             folder of a job lost in a server crash. The job starts from its weights and global
             statistics, and its ``metrics.json`` is carried over. The workflow's ``start_round``
             must be the file's round + 1 (``num_rounds`` then counts the rounds left).
+
+    The model block's ``pretrained`` (a weights file on the server, see
+    :func:`fedpartial.models.pretrained.load_pretrained`) sets the body of the round-0 global
+    model; sites get those weights with the first global model and need no file. Ignored when
+    resuming (the checkpoint already holds trained weights).
     """
 
     def __init__(self, model: dict = None, seed: int = 0, resume_from: str = ""):
@@ -58,12 +63,45 @@ class FedPartialPersistor(ModelPersistor):
 
     def load_model(self, fl_ctx: FLContext) -> ModelLearnable:
         if self.resume_from:
+            if self.settings.get("pretrained"):
+                self.log_info(fl_ctx, "model.pretrained is ignored: the job resumes from a checkpoint")
             try:
                 return self._resume(fl_ctx)
             except Exception as e:  # FLARE's secure logging would show only the exception type
                 self.log_error(fl_ctx, f"cannot resume: {e}")
                 raise
+        if self.settings.get("pretrained"):
+            try:
+                self._load_pretrained(fl_ctx)
+            except Exception as e:  # FLARE's secure logging would show only the exception type
+                self.log_error(fl_ctx, f"cannot start from pretrained weights: {e}")
+                raise
         return make_model_learnable(state_dict_numpy(self.model), {})
+
+    def _pretrained_path(self, fl_ctx: FLContext) -> str:
+        """``model.pretrained`` -> an existing file. ``~`` is expanded; a relative path is looked
+        up in the job's app folder (``app_server/``, for a file shipped with the job), then in the
+        server's workspace root (the folder holding ``startup/``)."""
+        raw = os.path.expanduser(str(self.settings["pretrained"]))
+        if os.path.isabs(raw):
+            tried = [raw]
+        else:
+            workspace = fl_ctx.get_engine().get_workspace()
+            tried = [os.path.join(workspace.get_app_dir(fl_ctx.get_job_id()), raw),
+                     os.path.join(workspace.get_root_dir(), raw)]
+        for path in tried:
+            if os.path.isfile(path):
+                return path
+        raise FileNotFoundError(f"model.pretrained: weights file '{self.settings['pretrained']}' not found on the "
+                                f"server (looked for {tried}); copy it there or give an absolute path")
+
+    def _load_pretrained(self, fl_ctx: FLContext) -> None:
+        from fedpartial.models.pretrained import load_pretrained
+
+        path = self._pretrained_path(fl_ctx)
+        report = load_pretrained(self.model, path, class_names=self.settings["class_names"],
+                                 task=self.settings["task"])
+        self.log_info(fl_ctx, f"initial global model from pretrained weights: {report['summary']}")
 
     def _resume(self, fl_ctx: FLContext) -> ModelLearnable:
         from fedpartial.models.io import load_model_file

@@ -5,6 +5,10 @@ Choice: the foreground is passed to MONAI as the only channel, ``(N, 1, H, W)`` 
 channel), i.e. foreground-only Dice / IoU. Scores are computed per image and averaged over
 images. ``ignore_empty=False``: an image where prediction and target are both empty scores
 1 (a correct "no lesion"), an image with an empty target but a non-empty prediction scores 0.
+
+:func:`overlap_summary` (what ``python -m fedpartial evaluate`` reports) differs on purpose: it
+leaves empty-truth-and-empty-prediction images out of its per-image means (counting them
+separately) and adds pooled Dice / IoU over all pixels.
 """
 from __future__ import annotations
 
@@ -56,3 +60,59 @@ def segmentation_metrics(pred, target) -> Dict[str, float]:
     if scores["dice"].size == 0:
         raise ValueError("segmentation metrics need at least one image")
     return {"dice": float(scores["dice"].mean()), "iou": float(scores["iou"].mean())}
+
+
+# Rule of the per-image means in overlap_summary (printed by `evaluate`).
+EMPTY_RULE = ("an image with empty truth and empty prediction is left out of the per-image means "
+              "and counted in n_empty_both; empty truth with a non-empty prediction scores 0")
+
+
+def overlap_counts(pred, target) -> Dict[str, np.ndarray]:
+    """Per-image pixel counts of binary masks: true positives, false positives, false negatives.
+
+    Args:
+        pred: predicted masks ``(N, H, W)``, bool or 0/1 (numpy or torch).
+        target: reference masks of the same shape.
+
+    Returns:
+        ``{"tp", "fp", "fn"}``, each an int64 ``(N,)`` array. Counts (not scores) so that images
+        of different sizes and sites can be pooled afterwards.
+    """
+    p = (pred.detach().cpu().numpy() if isinstance(pred, torch.Tensor) else np.asarray(pred)).astype(bool)
+    t = (target.detach().cpu().numpy() if isinstance(target, torch.Tensor) else np.asarray(target)).astype(bool)
+    if p.shape != t.shape or p.ndim != 3:
+        raise ValueError(f"pred shape {p.shape} and target shape {t.shape} must be the same (N, H, W)")
+    flat_p, flat_t = p.reshape(len(p), -1), t.reshape(len(t), -1)
+    return {"tp": (flat_p & flat_t).sum(1).astype(np.int64), "fp": (flat_p & ~flat_t).sum(1).astype(np.int64),
+            "fn": (~flat_p & flat_t).sum(1).astype(np.int64)}
+
+
+def overlap_summary(tp, fp, fn) -> Dict[str, float]:
+    """Per-image and pooled foreground Dice / IoU from per-image counts.
+
+    Per image: Dice = 2 TP / (2 TP + FP + FN), IoU = TP / (TP + FP + FN); an image with empty
+    truth and empty prediction (TP + FP + FN = 0) has no defined score: it is left out of the
+    per-image means and counted in ``n_empty_both`` (counting it as 1 would let lesion-free
+    slices inflate the mean). Pooled: the same formulas on the counts summed over all images
+    (every pixel of the split together). NaN where nothing is left to score.
+
+    Args:
+        tp: per-image true-positive pixel counts ``(N,)``.
+        fp: per-image false-positive counts.
+        fn: per-image false-negative counts.
+
+    Returns:
+        ``{"dice_per_image", "iou_per_image", "dice_pooled", "iou_pooled", "n_images",
+        "n_empty_both"}``.
+    """
+    tp, fp, fn = (np.asarray(a, dtype=np.float64) for a in (tp, fp, fn))
+    scored = (tp + fp + fn) > 0
+    nan = float("nan")
+    dice = 2 * tp[scored] / (2 * tp[scored] + fp[scored] + fn[scored])
+    iou = tp[scored] / (tp[scored] + fp[scored] + fn[scored])
+    T, P, N = tp.sum(), fp.sum(), fn.sum()
+    return {"dice_per_image": float(dice.mean()) if dice.size else nan,
+            "iou_per_image": float(iou.mean()) if iou.size else nan,
+            "dice_pooled": float(2 * T / (2 * T + P + N)) if T + P + N else nan,
+            "iou_pooled": float(T / (T + P + N)) if T + P + N else nan,
+            "n_images": int(tp.size), "n_empty_both": int((~scored).sum())}
