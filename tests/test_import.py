@@ -1,6 +1,7 @@
 """`python -m fedpartial import`: DICOM (the real files shipped with pydicom), PNG/JPEG + CSV and
 NIfTI pairs into site files; blank label cells = not annotated at this site. Every expected number
 below is worked out by hand (or from the raw pixels with the formula), not copied from a run."""
+import json
 import shutil
 from pathlib import Path
 
@@ -394,3 +395,38 @@ def test_imported_sites_train_one_fedavg_round(tmp_path):
                        ["num_rounds=1", "model.arch_args={\"width\": 8, \"depth\": 2}",
                         *dataset_overrides(str(sites))], timeout=120)
     assert summary["exit_code"] == 0 and (tmp_path / "ws" / "global_model.pt").is_file()
+
+
+@pytest.mark.slow
+def test_imported_nifti_sites_train_one_segmentation_round(tmp_path, capsys):
+    """NIfTI volumes + lesion masks -> `import nifti` at two sites -> one FedAvg-seg round, then
+    `evaluate` on one imported site at its native resolution."""
+    from fedpartial.jobtools import dataset_overrides, simulate
+
+    rng = np.random.default_rng(1)
+    sites = tmp_path / "sites"
+    for k in (1, 2):
+        raw = tmp_path / f"raw{k}"
+        (raw / "img").mkdir(parents=True)
+        (raw / "msk").mkdir()
+        for p in range(2):
+            volume = rng.normal(100, 10, (24, 24, 6)).astype(np.float32)
+            mask = np.zeros(volume.shape, np.uint8)
+            mask[5 + 3 * p:9 + 3 * p, 6:10, 1:4] = 1  # a bright lesion on 3 of the 6 slices
+            volume[mask > 0] += 80
+            _nifti(raw / "img" / f"p{p}.nii.gz", volume)
+            _nifti(raw / "msk" / f"p{p}_mask.nii.gz", mask.astype(np.float32))
+        cli(["import", "nifti", "--images", str(raw / "img"), "--masks", str(raw / "msk"), "--axis", "2",
+             "--site", f"site-{k}", "--out", str(sites / f"site-{k}.npz"), "--val-fraction", "0.5"])
+    data = load_site_file(str(sites / "site-1.npz"))
+    assert data.task == "segmentation" and data.splits["train"].images.shape == (6, 24, 24)
+    assert int(data.splits["train"].labels.sum()) == 3 * 16  # 4x4 lesion on 3 slices of the train volume
+    summary = simulate(str(REPO / "jobs" / "fedavg_seg"), str(sites), str(tmp_path / "ws"),
+                       ["num_rounds=1", *dataset_overrides(str(sites)), "model.input_size=[16,16]"], timeout=150)
+    assert summary["ok"], summary["errors"]
+    capsys.readouterr()
+    cli(["evaluate", "--model", str(tmp_path / "ws" / "global_model.pt"), "--data", str(sites / "site-1.npz"),
+         "--json", "--compact"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["split"] == "val" and result["n"] == 6
+    assert "24x24" in json.dumps(result) and {"dice_pooled", "dice_per_image"} <= set(result)
