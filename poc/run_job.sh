@@ -15,7 +15,8 @@
 #   --admin      admin kit to use (default admin@hospital-a.org; lead@hospital-a.org works too)
 #
 # Uses the 'nvflare job' CLI with --startup-kit; prints the job id and the result folder
-# STATE_DIR/results/<job name>/<job id>.  Exit 1 if the job did not complete.
+# STATE_DIR/results/<job name>/<job id> (STATE_DIR/results/<job name>/latest links to the newest);
+# prints round k/N, the key metric and time left while the job runs.  Exit 1 if the job did not complete.
 DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$DIR/.." && pwd)"
 source "$DIR/common.sh"

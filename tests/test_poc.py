@@ -66,8 +66,9 @@ def test_run_demo_runs_fedavg_in_poc_and_downloads_the_result(poc_state, tmp_pat
     server_cfg = json.loads((packaged / "app" / "config" / "config_fed_server.json").read_text())
     assert server_cfg["num_rounds"] == 2 and server_cfg["min_clients"] == 2
 
-    results = list((poc_state / "results" / "fedavg").iterdir())
+    results = [p for p in (poc_state / "results" / "fedavg").iterdir() if p.name != "latest"]
     assert len(results) == 1, results
+    assert (poc_state / "results" / "fedavg" / "latest").resolve() == results[0].resolve()
     found = deploy.find_results(str(results[0]))
     assert found["global_model"] and found["metrics"], found
     _, meta = load_model_file(found["global_model"])
@@ -133,7 +134,7 @@ def test_every_method_job_runs_in_poc(poc_state, tmp_path):
         sets = [x for s in settings for x in ("--set", s)]
         out = sh(REPO / "poc" / "run_job.sh", poc_state, job, "--data-root", data / "sites", *sets, "--timeout", "400",
                  timeout=480)
-        results = list((poc_state / "results" / job).iterdir())
+        results = [p for p in (poc_state / "results" / job).iterdir() if p.name != "latest"]
         found = deploy.find_results(str(results[0]))
         assert found["global_model"], (job, out[-2000:])
         _, meta = load_model_file(found["global_model"])
