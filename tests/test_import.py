@@ -393,7 +393,7 @@ def test_imported_sites_train_one_fedavg_round(tmp_path):
              "--site", f"site-{k}", "--out", str(sites / f"site-{k}.npz")])
     summary = simulate(str(REPO / "jobs" / "fedavg"), str(sites), str(tmp_path / "ws"),
                        ["num_rounds=1", "model.arch_args={\"width\": 8, \"depth\": 2}",
-                        *dataset_overrides(str(sites))], timeout=120)
+                        *dataset_overrides(str(sites))], timeout=240)
     assert summary["exit_code"] == 0 and (tmp_path / "ws" / "global_model.pt").is_file()
 
 
@@ -422,7 +422,7 @@ def test_imported_nifti_sites_train_one_segmentation_round(tmp_path, capsys):
     assert data.task == "segmentation" and data.splits["train"].images.shape == (6, 24, 24)
     assert int(data.splits["train"].labels.sum()) == 3 * 16  # 4x4 lesion on 3 slices of the train volume
     summary = simulate(str(REPO / "jobs" / "fedavg_seg"), str(sites), str(tmp_path / "ws"),
-                       ["num_rounds=1", *dataset_overrides(str(sites)), "model.input_size=[16,16]"], timeout=150)
+                       ["num_rounds=1", *dataset_overrides(str(sites)), "model.input_size=[16,16]"], timeout=240)
     assert summary["ok"], summary["errors"]
     capsys.readouterr()
     cli(["evaluate", "--model", str(tmp_path / "ws" / "global_model.pt"), "--data", str(sites / "site-1.npz"),

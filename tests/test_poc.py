@@ -15,6 +15,8 @@ import pytest
 from fedpartial import deploy
 from fedpartial.jobtools import dataset_overrides
 
+# POC and provisioned systems run one at a time, on one xdist worker (scripts/test.sh runs -n 2)
+pytestmark = pytest.mark.xdist_group("deployment")
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -24,7 +24,9 @@ from fedpartial.jobtools import dataset_overrides, package_job
 from fedpartial.models.io import load_model_file, read_model_file
 from test_poc import REPO, _env, poc_state  # noqa: F401  (poc_state: fixture that stops the system)
 
-pytestmark = pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning")  # aiohttp in nvflare
+# POC and provisioned systems run one at a time, on one xdist worker (scripts/test.sh runs -n 2)
+pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"),  # aiohttp in nvflare
+              pytest.mark.xdist_group("deployment")]
 SITES = ["site-1", "site-2"]
 
 

@@ -26,7 +26,8 @@ from fedpartial import deploy
 
 REPO = Path(__file__).resolve().parents[1]
 # aiohttp (inside nvflare's TLS connector) warns about its own API
-pytestmark = pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning")
+# POC and provisioned systems run one at a time, on one xdist worker (scripts/test.sh runs -n 2)
+pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"), pytest.mark.xdist_group("deployment")]
 SITES = ["site-1", "site-2"]
 SPARE = "site-3"  # provisioned in both projects, never started from the real one: the foreign kit's name
 CLASSES = ["c0", "c1", "c2", "c3"]

@@ -15,14 +15,14 @@ import numpy as np
 import torch
 
 from fedpartial.data.types import SEGMENTATION, DataError, Split
-from fedpartial.training.common import images_to_tensor, predict, probabilities
+from fedpartial.training.common import images_to_tensor, predict, predict_uint8, probabilities
 
 
 def predict_split(model, split: Split, task: str, normalisation: dict, device, batch_size: int = 128) -> np.ndarray:
     """Probabilities of ``model`` on ``split``: (N, C) for classification, (N, H, W) foreground
     probability for segmentation."""
-    x = images_to_tensor(split.images, normalisation["mean"], normalisation["std"])
-    logits = predict(model, x, device, batch_size=batch_size)
+    # one batch at a time: a (memory-mapped) split never exists whole as floats
+    logits = predict_uint8(model, split.images, normalisation, device, batch_size=batch_size)
     if task == SEGMENTATION:
         return torch.sigmoid(logits[:, 0]).numpy()
     return probabilities(logits, task).numpy()

@@ -27,21 +27,52 @@ DATA_ROOT_ENV = "FEDPARTIAL_DATA_ROOT"
 
 
 def resolve_data_file(data_root: str, pattern: str, site: str) -> str:
-    """``data_root`` (or $FEDPARTIAL_DATA_ROOT when empty) joined with ``pattern`` for ``site``."""
+    """``data_root`` (or $FEDPARTIAL_DATA_ROOT when empty) joined with ``pattern`` for ``site``.
+
+    When that path does not exist and the pattern ends in ``.npz`` (the default ``{site}.npz``),
+    a site folder of the same name without ``.npz`` (``<data_root>/<site>/``, see
+    :mod:`fedpartial.data.sitefile`) is used instead: large sites are kept as folders of
+    memory-mapped ``.npy`` files. A pattern naming a folder directly works too.
+
+    Args:
+        data_root: the job's ``data_root``; empty = $FEDPARTIAL_DATA_ROOT.
+        pattern: the job's ``data_file`` (``{site}`` is replaced by the site name).
+        site: this site's name.
+
+    Raises:
+        ValueError: no data root is set.
+        FileNotFoundError: naming every candidate tried when none exists.
+    """
     root = data_root or os.environ.get(DATA_ROOT_ENV, "")
     if not root:
         raise ValueError(f"site '{site}': no data root: set 'data_root' in the job's client config "
                          f"or the {DATA_ROOT_ENV} environment variable")
     path = os.path.join(os.path.expanduser(root), pattern.format(site=site))
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"site '{site}': data file '{path}' not found (data_root='{root}', "
-                                f"data_file='{pattern}')")
-    return path
+    if os.path.isfile(path) or os.path.isdir(path):
+        return path
+    candidates = [path]
+    if path.endswith(".npz"):
+        folder = path[:-len(".npz")]
+        if os.path.isdir(folder):
+            return folder
+        candidates.append(folder + os.sep)
+    raise FileNotFoundError(f"site '{site}': data file " + " or site folder ".join(f"'{c}'" for c in candidates)
+                            + f" not found (data_root='{root}', data_file='{pattern}')")
 
 
 def load_site_dataset(path: str, site: str, settings: dict):
-    """Load and check a site file against the job's model block; resize to the job's input size."""
-    from fedpartial.data.sitefile import load_site_file
+    """Load and check a site file against the job's model block; resize to the job's input size.
+
+    A site folder stays memory-mapped; when its images are not at ``input_size`` they are resized
+    chunk by chunk once into ``<folder>/cache/`` (reused by later rounds and runs, rebuilt when the
+    source changes: :func:`fedpartial.data.sitefile.cached_resize`). An ``.npz`` is resized in memory.
+
+    Args:
+        path: the site's ``.npz`` or site folder (from :func:`resolve_data_file`).
+        site: this site's name (the file must belong to it).
+        settings: the job's model block (``fedpartial.flare.common.model_settings``).
+    """
+    from fedpartial.data.sitefile import cached_resize, is_site_folder, load_site_file
     from fedpartial.data.transforms import resize_dataset
 
     data = load_site_file(path, expected_site=site)
@@ -55,7 +86,10 @@ def load_site_dataset(path: str, site: str, settings: dict):
         raise ValueError(f"site '{site}': images in '{path}' have {channels} channel(s), "
                          f"the job's model expects in_channels={settings['in_channels']}")
     size = tuple(settings.get("input_size") or (0, 0))
-    return resize_dataset(data, size) if any(size) else data
+    if not any(size):
+        return data
+    # a folder may not fit in memory: resize it once into a memory-mapped cache beside it
+    return cached_resize(data, size, path) if is_site_folder(path) else resize_dataset(data, size)
 
 
 class FedPartialExecutor(Executor):

@@ -84,6 +84,90 @@ def images_to_tensor(images: np.ndarray, mean: float = 0.5, std: float = 0.5) ->
     return (x.float().div_(255.0) - mean) / std
 
 
+def take_rows(images: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``images[rows]`` in the order of ``rows``, read in ascending row order.
+
+    A memory-mapped split (a site folder) reads fastest front to back, so the rows are fetched
+    sorted and put back in the asked order in memory: a batch holds the same samples in the same
+    order whether the split is memory-mapped or in memory (seeded runs are identical).
+
+    Args:
+        images: uint8 ``(N, H, W)`` / ``(N, H, W, 3)`` array or ``np.memmap``.
+        rows: row indices (any order, no repeats needed).
+    """
+    rows = np.asarray(rows)
+    if not isinstance(images, np.memmap):
+        return images[rows]
+    order = np.argsort(rows, kind="stable")
+    block = images[rows[order]]
+    out = np.empty_like(block)
+    out[order] = block
+    return out
+
+
+class _Prefetcher:
+    """Iterates ``items`` in a background thread, ``depth`` items ahead (see :func:`prefetch`)."""
+
+    _DONE = object()
+
+    def __init__(self, items: Iterator, depth: int):
+        import queue
+        import threading
+
+        self._queue: "queue.Queue" = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(items,), daemon=True, name="fedpartial-prefetch")
+        self._thread.start()
+
+    def _run(self, items: Iterator) -> None:
+        import queue
+
+        try:
+            for item in items:
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._queue.put((self._DONE, None))
+        except BaseException as e:  # handed to the consumer, raised there
+            self._queue.put((self._DONE, e))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item, error = self._queue.get()
+        if item is self._DONE:
+            self._stop.set()
+            if error is not None:
+                raise error
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def prefetch(items: Iterator, depth: int = 0) -> Iterator:
+    """``items`` prepared ``depth`` ahead by a background thread (numpy copies and torch
+    conversions release the GIL, so reading the next batch overlaps the current step); ``depth``
+    0 returns ``items`` as they are. Either way the consumer sees the same items in the same
+    order; call ``close()`` on the result when stopping early.
+
+    Args:
+        items: an iterator (e.g. a generator of batches).
+        depth: items prepared ahead; 0 = no thread.
+    """
+    if depth <= 0:
+        return items
+    return _Prefetcher(iter(items), int(depth))
+
+
 def batch_indices(n: int, batch_size: int, rng: np.random.Generator, shuffle: bool = True,
                   drop_last: bool = False) -> Iterator[np.ndarray]:
     """Yield index arrays covering ``range(n)`` once (one epoch).
@@ -195,6 +279,40 @@ def predict(model: torch.nn.Module, images: torch.Tensor, device: torch.device, 
         if with_features:
             feats.append(f.float().cpu())
     model.train(was_training)
+    out = torch.cat(logits) if logits else torch.empty(0)
+    if with_features:
+        return out, (torch.cat(feats) if feats else torch.empty(0))
+    return out
+
+
+@torch.no_grad()
+def predict_uint8(model: torch.nn.Module, images: np.ndarray, normalisation: Optional[dict], device: torch.device,
+                  batch_size: int = 256, view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                  with_features: bool = False):
+    """:func:`predict` over a uint8 image array (in memory or memory-mapped), converting one
+    batch at a time to floats, so a split never exists whole as a float tensor. Same outputs as
+    ``predict(model, images_to_tensor(images, mean, std), device, batch_size, view, with_features)``.
+
+    Args:
+        model: the network (put in eval mode for the call).
+        images: uint8 ``(N, H, W)`` / ``(N, H, W, 3)``.
+        normalisation: ``{"mean": float, "std": float}`` (None = 0.5 / 0.5, as images_to_tensor).
+        device: where the model runs.
+        batch_size: images per forward pass (and per conversion).
+        view: optional batch view applied before the forward pass.
+        with_features: also return the features.
+    """
+    norm = normalisation or {"mean": 0.5, "std": 0.5}
+    logits, feats = [], []
+    for start in range(0, images.shape[0], batch_size):
+        # np.array: one batch copied out of a (read-only) memory map; torch warns on read-only arrays
+        x = images_to_tensor(np.array(images[start:start + batch_size]), norm["mean"], norm["std"])
+        out = predict(model, x, device, batch_size, view, with_features)
+        if with_features:
+            logits.append(out[0])
+            feats.append(out[1])
+        else:
+            logits.append(out)
     out = torch.cat(logits) if logits else torch.empty(0)
     if with_features:
         return out, (torch.cat(feats) if feats else torch.empty(0))
