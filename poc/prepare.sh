@@ -21,7 +21,7 @@ done
 if ls "$NVFLARE_POC_WORKSPACE"/*/prod_*/server/pid.fl >/dev/null 2>&1; then
   poc_die "a POC system of $STATE seems to be running; run poc/stop.sh $STATE first"
 fi
-"$PYTHON" -m fedpartial.deploy poc-project --sites "$SITES" --site-names "$NAMES" --port "$PORT" \
+"$PYTHON" -m fedpartial_tools.deploy poc-project --sites "$SITES" --site-names "$NAMES" --port "$PORT" \
   --out "$STATE/project.yml" >/dev/null
 nvf poc prepare -i "$STATE/project.yml" --force
 echo "kits: $(poc_prod_dir)"

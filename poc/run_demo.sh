@@ -33,9 +33,9 @@ step() { echo; echo "== [$((SECONDS - T0)) s] $*"; }
 
 step "1/6 site files for $SITES sites in $STATE/data"
 rm -rf "$STATE/data"; mkdir -p "$STATE/data"
-SOURCE="$("$PYTHON" -m fedpartial.deploy demo-data "$JOB_DIR" --out "$STATE/data" --sites "$SITES")"
+SOURCE="$("$PYTHON" -m fedpartial_tools.deploy demo-data "$JOB_DIR" --out "$STATE/data" --sites "$SITES")"
 echo "source: $SOURCE"; cat "$STATE/data/sites/split_summary.md"
-mapfile -t DATA_SETS < <("$PYTHON" -m fedpartial.deploy data-overrides "$STATE/data/sites")
+mapfile -t DATA_SETS < <("$PYTHON" -m fedpartial_tools.deploy data-overrides "$STATE/data/sites")
 
 step "2/6 POC kits for $SITES sites"
 "$DIR/stop.sh" "$STATE" >/dev/null 2>&1 || true   # a previous run's system, if any
@@ -58,7 +58,7 @@ ARGS=(--data-root "$STATE/data/sites" --set "num_rounds=$ROUNDS")
 for s in "${DATA_SETS[@]}"; do ARGS+=(--set "$s"); done
 "$DIR/run_job.sh" "$STATE" "$JOB_DIR" "${ARGS[@]}" "${SETS[@]}" | tee "$STATE/run_job.out"
 RESULT="$(sed -n 's/^job .*: .*; result in //p' "$STATE/run_job.out" | tail -n 1)"
-MODEL="$("$PYTHON" -m fedpartial.deploy results "$RESULT" | "$PYTHON" -c 'import json,sys; print(json.load(sys.stdin)["global_model"] or "")')"
+MODEL="$("$PYTHON" -m fedpartial_tools.deploy results "$RESULT" | "$PYTHON" -c 'import json,sys; print(json.load(sys.stdin)["global_model"] or "")')"
 [[ -n "$MODEL" ]] || poc_die "no global_model.pt in $RESULT"
 
 step "5/6 metrics of the final global model on the test split of $SOURCE"

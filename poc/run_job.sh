@@ -42,7 +42,7 @@ while [[ $# -gt 0 ]]; do
 done
 if [[ "$FIT" == 1 ]]; then
   [[ -n "$DATA_ROOT" ]] || poc_die "--fit-data needs --data-root"
-  mapfile -t FITTED < <("$PYTHON" -m fedpartial.deploy data-overrides "$DATA_ROOT")
+  mapfile -t FITTED < <("$PYTHON" -m fedpartial_tools.deploy data-overrides "$DATA_ROOT")
   for s in "${FITTED[@]}"; do PKG_ARGS+=(--set "$s"); done
 fi
 PKG_ARGS+=("${USER_SETS[@]}")   # after the fitted ones, so a --set wins
@@ -54,7 +54,7 @@ NSITES="$(echo "$SITES" | tr ',' '\n' | grep -c .)"
 # min_clients = number of sites (results of late sites would be dropped otherwise); a --set wins
 "$PYTHON" -m fedpartial package-job "$JOB" --out "$STATE/jobs/$NAME" --set "server.min_clients=$NSITES" \
   "${PKG_ARGS[@]}" >/dev/null
-"$PYTHON" -m fedpartial.deploy resource-spec "$STATE/jobs/$NAME" --gpus "$GPUS" --gpu-mem "$GPU_MEM" \
+"$PYTHON" -m fedpartial_tools.deploy resource-spec "$STATE/jobs/$NAME" --gpus "$GPUS" --gpu-mem "$GPU_MEM" \
   --site-names "$SITES" >/dev/null
 
 json_field() { "$PYTHON" -c "import json,sys; d=json.load(sys.stdin); print(d.get('data', d).get('$1', ''))"; }
@@ -68,7 +68,7 @@ echo "submitted $NAME as job $JOB_ID (sites: $SITES); waiting (timeout ${TIMEOUT
 WAIT_OUT="$STATE/jobs/$NAME.wait.json"
 nvf --format json job wait "$JOB_ID" --timeout "$TIMEOUT" --startup-kit "$KIT" >"$WAIT_OUT" &
 WAIT_PID=$!
-"$PYTHON" -m fedpartial.deploy progress --job "$STATE/jobs/$NAME" --metrics "$PROD/server/$JOB_ID/metrics.json" \
+"$PYTHON" -m fedpartial_tools.deploy progress --job "$STATE/jobs/$NAME" --metrics "$PROD/server/$JOB_ID/metrics.json" \
   --while-pid "$WAIT_PID" || true
 wait "$WAIT_PID" || true
 STATUS_JSON="$(cat "$WAIT_OUT")"
@@ -82,5 +82,5 @@ mkdir -p "$OUT"
 nvf job download "$JOB_ID" -o "$OUT" --force --startup-kit "$KIT" >/dev/null
 ln -sfn "$JOB_ID" "$OUT/latest"   # results/<job>/latest = the newest run of this job
 echo "job $JOB_ID: $STATUS; result in $OUT/$JOB_ID"
-"$PYTHON" -m fedpartial.deploy results "$OUT/$JOB_ID"
+"$PYTHON" -m fedpartial_tools.deploy results "$OUT/$JOB_ID"
 [[ "$STATUS" == *COMPLETED ]] || { echo "error: job $JOB_ID ended $STATUS; see $OUT/$JOB_ID/workspace/log.txt" >&2; exit 1; }

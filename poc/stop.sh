@@ -16,4 +16,4 @@ if server_running; then
   timeout 90 "$PYTHON" -m nvflare.cli poc stop </dev/null || echo "warning: 'nvflare poc stop' failed; killing the processes" >&2
 fi
 # the kits' sub_start.sh loops notice shutdown.fl within 5 s
-"$PYTHON" -m fedpartial.deploy stop-leftovers "$STATE" --wait 15
+"$PYTHON" -m fedpartial_tools.deploy stop-leftovers "$STATE" --wait 15

@@ -17,7 +17,7 @@ export PYTHON PATH="$(dirname "$PYTHON"):$PATH"
 mkdir -p "$WS"; WS="$(cd "$WS" && pwd)"
 prod_dir() { ls -d "$WS"/*/prod_* 2>/dev/null | sort | tail -n 1; }
 # the project admin's kit (role from its certificate)
-admin_kit() { "$PYTHON" -m fedpartial.deploy admin-kit "$(prod_dir)" --role project_admin; }
+admin_kit() { "$PYTHON" -m fedpartial_tools.deploy admin-kit "$(prod_dir)" --role project_admin; }
 case "$ACTION" in
   provision)
     "$DIR/provision.sh" "${3:-$DIR/project_localhost.yml}" "$WS";;
@@ -34,6 +34,6 @@ case "$ACTION" in
       timeout 90 "$PYTHON" -m nvflare.cli system shutdown all --force --startup-kit "$KIT" \
         || echo "warning: shutdown through the admin API failed; killing the processes" >&2
     fi
-    "$PYTHON" -m fedpartial.deploy stop-leftovers "$WS" --wait 15;;
+    "$PYTHON" -m fedpartial_tools.deploy stop-leftovers "$WS" --wait 15;;
   *) echo "error: unknown action '$ACTION'" >&2; exit 2;;
 esac

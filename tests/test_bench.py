@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpartial import bench
-from fedpartial.cli import build_parser
+from fedpartial_tools import bench
+from fedpartial_tools.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,8 +150,8 @@ def test_bad_metrics_files_name_the_file(tmp_path):
 
 # --- which jobs read the reference copies ----------------------------------------------------
 def test_diagnostics_reach_the_method_job_only(tmp_path, monkeypatch):
-    import fedpartial.data.partition as partition
-    import fedpartial.jobtools as jobtools
+    import fedpartial_tools.partition as partition
+    import fedpartial_tools.jobtools as jobtools
 
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "ham10000_28.npz").write_bytes(b"")
@@ -236,7 +236,7 @@ def test_write_overlays_uses_the_evaluation_path(tmp_path):
     import torch
 
     from fedpartial.data.npz import load_npz, save_npz
-    from fedpartial.data.synthetic import make_segmentation
+    from fedpartial_tools.synthetic import make_segmentation
     from fedpartial.data.transforms import resize_dataset
     from fedpartial.evaluation import evaluate_split
     from fedpartial.models import build_model, load_model_file, save_model_file
@@ -346,9 +346,9 @@ def test_variants_run_the_method_job_with_their_settings(monkeypatch, tmp_path):
     """A suite variant runs the method's job folder with its extra settings (and the diagnostics
     reference), under its own workspace and row name; an unknown job is refused by name."""
     calls = []
-    monkeypatch.setattr("fedpartial.jobtools.simulate", lambda job, root, ws, sets, log=None: calls.append((job, ws, sets)))
-    monkeypatch.setattr("fedpartial.data.partition.split_file", lambda *a, **k: None)
-    monkeypatch.setattr("fedpartial.jobtools.dataset_overrides", lambda d: [])
+    monkeypatch.setattr("fedpartial_tools.jobtools.simulate", lambda job, root, ws, sets, log=None: calls.append((job, ws, sets)))
+    monkeypatch.setattr("fedpartial_tools.partition.split_file", lambda *a, **k: None)
+    monkeypatch.setattr("fedpartial_tools.jobtools.dataset_overrides", lambda d: [])
     monkeypatch.setattr(bench, "_evaluate_row", lambda name, suite, job, seed, ws, source, sec: {"method": job})
     src = tmp_path / "dsb2018_nuclei_256.npz"
     src.write_bytes(b"")
@@ -363,7 +363,7 @@ def test_variants_run_the_method_job_with_their_settings(monkeypatch, tmp_path):
 
 
 def test_auc_axis_floor_keeps_low_bars_visible():
-    from fedpartial.bench import auc_axis_floor
+    from fedpartial_tools.bench import auc_axis_floor
 
     assert auc_axis_floor([0.9, 0.55]) == 0.4  # the usual floor
     assert auc_axis_floor([0.9, 0.376, float("nan")]) == pytest.approx(0.3)  # CT-ICH Subdural, 0.376
@@ -383,7 +383,7 @@ def test_every_profile_builds_a_model_that_runs_on_its_data(name):
     import torch
 
     from fedpartial.flare.common import build_model_from_settings, model_settings
-    from fedpartial.jobtools import _config_paths, apply_overrides
+    from fedpartial_tools.jobtools import _config_paths, apply_overrides
 
     suite = bench.SUITES[name]
     for profile, sets in suite.overrides.items():

@@ -59,7 +59,7 @@ def write_sites(root: Path, keeps=(0.4, 0.7, 1.0), n_train=8, n_val=4):
 
 
 def run(job, data_root, workspace, sets):
-    from fedpartial.jobtools import simulate
+    from fedpartial_tools.jobtools import simulate
 
     summary = simulate(str(REPO / "jobs" / job), str(data_root), str(workspace), sets, timeout=240, log=lambda m: None)
     assert summary["exit_code"] == 0, summary["errors"]

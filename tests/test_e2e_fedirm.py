@@ -47,7 +47,7 @@ def _write_split(out: Path, task: str, num_classes: int, channels: int) -> list:
     ("fedirm_multilabel", MULTI_LABEL, 5, 1),
 ])
 def test_fedirm_job_runs_and_relation_matrix_reaches_unlabelled_site(tmp_path, job, task, num_classes, channels):
-    from fedpartial.jobtools import simulate
+    from fedpartial_tools.jobtools import simulate
     from fedpartial.models.io import load_model_file
 
     data_root = tmp_path / "sites"

@@ -53,7 +53,7 @@ def _write_split(out: Path, task: str, channels: int):
     ("fedlsm_multilabel", MULTI_LABEL, 1),
 ])
 def test_fedlsm_job_runs_and_counts_reach_the_server(tmp_path, job, task, channels):
-    from fedpartial.jobtools import simulate
+    from fedpartial_tools.jobtools import simulate
     from fedpartial.models.io import load_model_file
 
     data_root = tmp_path / "sites"
@@ -98,7 +98,7 @@ def test_same_seed_gives_the_same_global_model(tmp_path):
     order their threads finish) end with bit-identical global weights."""
     import torch
 
-    from fedpartial.jobtools import simulate
+    from fedpartial_tools.jobtools import simulate
 
     data_root = tmp_path / "sites"
     data_root.mkdir()

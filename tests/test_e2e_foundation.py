@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from fedpartial.cli import main as cli
+from fedpartial_tools.cli import main as cli
 from fedpartial.data.npz import save_npz
-from fedpartial.data.partition import split_file
-from fedpartial.data.synthetic import make_classification
-from fedpartial.jobtools import dataset_overrides, simulate
+from fedpartial_tools.partition import split_file
+from fedpartial_tools.synthetic import make_classification
+from fedpartial_tools.jobtools import dataset_overrides, simulate
 
 REPO = Path(__file__).resolve().parents[1]
 METHOD_JOBS = [j for j in sorted(os.listdir(REPO / "jobs")) if not j.startswith("fedavg")]

@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 from sklearn.metrics import roc_auc_score
 
-from fedpartial.cli import main as cli
+from fedpartial_tools.cli import main as cli
 from fedpartial.data.sitefile import write_site_file
 from fedpartial.data.types import DataError, Dataset, Split
-from fedpartial.evaluation import evaluate_data
+from fedpartial_tools.evaluate import evaluate_data
 from fedpartial.metrics import classification_metrics
 from fedpartial.models import build_model
 from fedpartial.models.io import save_model_file

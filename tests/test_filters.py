@@ -208,7 +208,7 @@ def test_privacy_filters_in_a_job_config(tmp_path):
     from pathlib import Path
 
     from test_privacy import METHODS, REPO, write_sites
-    from fedpartial.jobtools import simulate
+    from fedpartial_tools.jobtools import simulate
 
     filters = [{"path": "fedpartial.flare.filters.StatisticsPrivacyFilter",
                 "args": {"preset": "fedlsm", "min_count": 5, "noise_sigma": {"class_counts": 2.0}}},
@@ -242,11 +242,11 @@ def test_privacy_filters_in_a_job_config(tmp_path):
 
 
 def test_privacy_measure_wires_the_percentile_filter_chain(tmp_path, monkeypatch):
-    """``python -m fedpartial.privacy measure --percentile``: the filtered run gets SendWeightDiff in
+    """``python -m fedpartial_tools.privacy measure --percentile``: the filtered run gets SendWeightDiff in
     and out, PercentilePrivacy after it, RestoreFullWeights on the server; the plain run none."""
     import json
 
-    from fedpartial import privacy
+    from fedpartial_tools import privacy
 
     import os
 

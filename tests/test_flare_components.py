@@ -15,7 +15,7 @@ from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.flare.aggregators import RuleAggregator, check_weights
 from fedpartial.flare.common import GLOBAL_STATS, SITE_STATS
-from fedpartial.jobtools import apply_overrides
+from fedpartial_tools.jobtools import apply_overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpartial.cli import main as cli
+from fedpartial_tools.cli import main as cli
 from fedpartial.data.sitefile import load_site_file
 from fedpartial.data.types import DataError
 
@@ -26,7 +26,7 @@ def _testdata(name, folder, new_name=None):
 
 # ---- DICOM ----------------------------------------------------------------------------------------
 def test_dicom_blank_cells_are_unannotated(tmp_path):
-    from fedpartial.data.dicom import load_dicom_folder
+    from fedpartial_tools.dicom import load_dicom_folder
 
     _testdata("CT_small.dcm", tmp_path)
     _testdata("MR_small.dcm", tmp_path)
@@ -47,7 +47,7 @@ def test_dicom_blank_cells_are_unannotated(tmp_path):
 def test_dicom_window_presets_by_hand(tmp_path):
     import pydicom
 
-    from fedpartial.data.dicom import WINDOW_PRESETS, dicom_to_uint8, parse_window
+    from fedpartial_tools.dicom import WINDOW_PRESETS, dicom_to_uint8, parse_window
 
     path = _testdata("CT_small.dcm", tmp_path)
     ds = pydicom.dcmread(path)
@@ -75,7 +75,7 @@ def test_dicom_window_presets_by_hand(tmp_path):
 def test_dicom_monochrome1_is_inverted(tmp_path):
     import pydicom
 
-    from fedpartial.data.dicom import dicom_to_uint8
+    from fedpartial_tools.dicom import dicom_to_uint8
 
     ds = pydicom.dcmread(_testdata("CT_small.dcm", tmp_path))
     ds.PhotometricInterpretation = "MONOCHROME1"
@@ -87,7 +87,7 @@ def test_dicom_monochrome1_is_inverted(tmp_path):
 def test_dicom_multi_frame_gives_one_image_per_frame(tmp_path):
     import pydicom
 
-    from fedpartial.data.dicom import load_dicom_folder
+    from fedpartial_tools.dicom import load_dicom_folder
 
     _testdata("rtdose.dcm", tmp_path)
     _testdata("rtdose.dcm", tmp_path, "rtdose_b.dcm")
@@ -112,7 +112,7 @@ def _png(path, array, mode=None):
 
 
 def test_png_rgb_and_blank_cells(tmp_path):
-    from fedpartial.data.images import load_image_folder
+    from fedpartial_tools.images import load_image_folder
 
     a = np.zeros((6, 6, 3), np.uint8)
     a[..., 0] = 200  # red
@@ -137,7 +137,7 @@ def test_png_rgb_and_blank_cells(tmp_path):
 
 
 def test_png_grey_nih_labels_16bit_and_resize(tmp_path):
-    from fedpartial.data.images import image_to_uint8, load_image_folder
+    from fedpartial_tools.images import image_to_uint8, load_image_folder
 
     _png(tmp_path / "x1.png", np.arange(16, dtype=np.uint8).reshape(4, 4) * 10)
     deep = np.array([[1000, 2000], [3000, 5000]], np.uint16)
@@ -163,7 +163,7 @@ def test_png_grey_nih_labels_16bit_and_resize(tmp_path):
 def test_png_single_label_column_and_palette(tmp_path):
     from PIL import Image
 
-    from fedpartial.data.images import load_image_folder
+    from fedpartial_tools.images import load_image_folder
 
     palette = Image.new("P", (3, 3))
     palette.putpalette([0, 0, 0, 10, 20, 30] + [0] * 762)
@@ -203,7 +203,7 @@ def _volumes(tmp_path):
 
 
 def test_nifti_folders_pairs_csv_and_empty_slices(tmp_path):
-    from fedpartial.data.nifti import load_nifti_pairs, pair_nifti_files, read_pairs_csv
+    from fedpartial_tools.nifti import load_nifti_pairs, pair_nifti_files, read_pairs_csv
 
     _volumes(tmp_path)
     images, masks, names = pair_nifti_files(str(tmp_path / "img"), str(tmp_path / "msk" / "*_seg.nii.gz"))
@@ -237,7 +237,7 @@ def test_nifti_folders_pairs_csv_and_empty_slices(tmp_path):
     ("file,split,a\nCT_small.dcm,training,1\n", "line 2: split 'training'"),
 ])
 def test_dicom_errors_name_file_row_and_column(tmp_path, csv_text, message):
-    from fedpartial.data.dicom import load_dicom_folder
+    from fedpartial_tools.dicom import load_dicom_folder
 
     _testdata("CT_small.dcm", tmp_path)
     _testdata("MR_small.dcm", tmp_path)
@@ -248,8 +248,8 @@ def test_dicom_errors_name_file_row_and_column(tmp_path, csv_text, message):
 
 
 def test_image_and_nifti_errors(tmp_path):
-    from fedpartial.data.images import load_image_folder
-    from fedpartial.data.nifti import load_nifti_pairs, pair_nifti_files
+    from fedpartial_tools.images import load_image_folder
+    from fedpartial_tools.nifti import load_nifti_pairs, pair_nifti_files
 
     _png(tmp_path / "ok.png", np.zeros((4, 4), np.uint8))
     (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
@@ -373,7 +373,7 @@ def test_cli_import_images_and_nifti(tmp_path, capsys):
 # ---- end to end -----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_imported_sites_train_one_fedavg_round(tmp_path):
-    from fedpartial.jobtools import dataset_overrides, simulate
+    from fedpartial_tools.jobtools import dataset_overrides, simulate
 
     rng = np.random.default_rng(0)
     sites = tmp_path / "sites"
@@ -401,7 +401,7 @@ def test_imported_sites_train_one_fedavg_round(tmp_path):
 def test_imported_nifti_sites_train_one_segmentation_round(tmp_path, capsys):
     """NIfTI volumes + lesion masks -> `import nifti` at two sites -> one FedAvg-seg round, then
     `evaluate` on one imported site at its native resolution."""
-    from fedpartial.jobtools import dataset_overrides, simulate
+    from fedpartial_tools.jobtools import dataset_overrides, simulate
 
     rng = np.random.default_rng(1)
     sites = tmp_path / "sites"

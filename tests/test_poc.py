@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpartial import deploy
-from fedpartial.jobtools import dataset_overrides
+from fedpartial_tools import deploy
+from fedpartial_tools.jobtools import dataset_overrides
 
 # POC and provisioned systems run one at a time, on one xdist worker (scripts/test.sh runs -n 2)
 pytestmark = pytest.mark.xdist_group("deployment")

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpartial import deploy
+from fedpartial_tools import deploy
 
 REPO = Path(__file__).resolve().parents[1]
 # aiohttp (inside nvflare's TLS connector) warns about its own API
@@ -117,7 +117,7 @@ def _session(kit: str, timeout: float = 30):
 
 @pytest.mark.slow
 def test_lead_runs_fedlsm_over_mtls_and_downloads_the_model(system, tmp_path):
-    from fedpartial.jobtools import package_job
+    from fedpartial_tools.jobtools import package_job
     from fedpartial.models.io import load_model_file
 
     data_root = tmp_path / "sites"
@@ -161,7 +161,7 @@ def test_lead_runs_fedlsm_over_mtls_and_downloads_the_model(system, tmp_path):
 def test_org_admin_may_not_submit(system, tmp_path):
     from nvflare.fuel.flare_api.api_spec import AuthorizationError
 
-    from fedpartial.jobtools import package_job
+    from fedpartial_tools.jobtools import package_job
 
     job = package_job(str(REPO / "jobs" / "fedavg"), str(tmp_path / "fedavg"), ["num_rounds=1"])
     session = _session(system["kits"]["org_admin"])

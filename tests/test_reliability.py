@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from unittest import mock
 
 import numpy as np
@@ -36,6 +35,9 @@ from fedpartial.flare.common import GLOBAL_STATS, SITE_STATS
 REPO = Path(__file__).resolve().parents[1]
 C, D = 3, 4
 GLOBAL = {"fc.weight": np.zeros((C, D), np.float32), "fc.bias": np.zeros(C, np.float32)}
+# the job's model block names the classifier parameters (fc.weight, fc.bias) for the aggregator
+MODEL = {"arch": "small_cnn", "arch_args": {"width": 8, "depth": 2}, "in_channels": 1,
+         "class_names": [f"c{i}" for i in range(C)], "task": "single-label"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,9 +50,6 @@ def _ctx(tmp_path, round_num=1):
     fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(GLOBAL, {}), private=True, sticky=False)
     engine = mock.MagicMock()
     engine.get_workspace.return_value.get_run_dir.return_value = str(tmp_path)
-    # the persistor's model names the classifier parameters (FedLSM / FedMLP / FedIRM need them)
-    engine.get_component.return_value = SimpleNamespace(
-        model=SimpleNamespace(classifier_param_names=lambda: ["fc.weight", "fc.bias"]))
     fl_ctx.set_prop("__engine__", engine, private=True, sticky=False)
     return fl_ctx
 
@@ -119,7 +118,7 @@ def test_aggregation_does_not_depend_on_the_order_sites_answer(tmp_path):
     values = {"site-1": 1.0, "site-2": 1e16, "site-3": -1e16}
     results = []
     for order in (["site-1", "site-2", "site-3"], ["site-2", "site-3", "site-1"], ["site-3", "site-1", "site-2"]):
-        agg = RuleAggregator()
+        agg = RuleAggregator(model=MODEL)
         fl_ctx = _ctx(tmp_path)
         for site in order:
             assert agg.accept(_update(site, {}, value=values[site]), fl_ctx)
@@ -132,7 +131,7 @@ def test_aggregation_does_not_depend_on_the_order_sites_answer(tmp_path):
 def test_bad_statistics_are_rejected_with_the_site_name_and_the_rest_aggregated(tmp_path, caplog, method, case):
     rule, good, bad_cases = METHODS[method]
     bad_stats, words = bad_cases[case]
-    agg = RuleAggregator(rule=rule)
+    agg = RuleAggregator(rule=rule, model=MODEL)
     fl_ctx = _ctx(tmp_path)
     assert agg.accept(_update("site-1", good(), value=1.0), fl_ctx)
     assert agg.accept(_update("site-2", good(), value=3.0), fl_ctx)
@@ -156,13 +155,13 @@ def test_bad_statistics_are_rejected_with_the_site_name_and_the_rest_aggregated(
     ({"fc.weight": np.full((C, D), np.inf), "fc.bias": np.ones(C)}, "'fc.weight' holds NaN or Inf"),
 ])
 def test_bad_weights_are_rejected(tmp_path, weights, words):
-    agg = RuleAggregator(rule="fedpartial.algorithms.fedlsm.AWPAServer")
+    agg = RuleAggregator(rule="fedpartial.algorithms.fedlsm.AWPAServer", model=MODEL)
     assert not agg.accept(_update("site-3", _fedlsm_stats(), weights=weights), _ctx(tmp_path))
     assert words in agg.rejected["site-3"]
 
 
 def test_too_few_valid_updates_fail_the_round_naming_the_rejected_sites(tmp_path):
-    agg = RuleAggregator(rule="fedpartial.algorithms.fedmlp.FedMLPServer", min_valid_updates=2)
+    agg = RuleAggregator(rule="fedpartial.algorithms.fedmlp.FedMLPServer", min_valid_updates=2, model=MODEL)
     fl_ctx = _ctx(tmp_path)
     assert agg.accept(_update("site-1", _fedmlp_stats()), fl_ctx)
     assert not agg.accept(_update("site-2", _bad(_fedmlp_stats(), "prototypes_neg", np.ones(C))), fl_ctx)
@@ -171,7 +170,7 @@ def test_too_few_valid_updates_fail_the_round_naming_the_rejected_sites(tmp_path
 
 
 def test_rejections_are_forgotten_at_the_next_round(tmp_path):
-    agg = RuleAggregator(rule="fedpartial.algorithms.fedia.FedIAServer")
+    agg = RuleAggregator(rule="fedpartial.algorithms.fedia.FedIAServer", model=MODEL)
     fl_ctx = _ctx(tmp_path)
     agg.accept(_update("site-1", _fedia_stats()), fl_ctx)
     agg.accept(_update("site-2", _bad(_fedia_stats(), "iou", 2.0)), fl_ctx)
@@ -278,7 +277,7 @@ def _logs(ws: Path) -> str:
 
 def _crash_run(tmp_path, monkeypatch, min_clients):
     from test_privacy import SMALL, write_sites
-    from fedpartial.jobtools import simulate
+    from fedpartial_tools.jobtools import simulate
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
     write_sites(tmp_path / "sites", "mismatch")
@@ -322,7 +321,7 @@ def test_site_crash_stops_the_job_clearly_when_min_clients_cannot_be_met(tmp_pat
 @pytest.mark.slow
 def test_wrong_class_names_stop_that_site_with_a_clear_message(tmp_path):
     from test_privacy import SMALL, write_sites
-    from fedpartial.jobtools import simulate
+    from fedpartial_tools.jobtools import simulate
 
     write_sites(tmp_path / "sites", "mismatch")
     bad = tmp_path / "bad"
@@ -381,3 +380,14 @@ def test_site_state_survives_a_site_restart(tmp_path):
     assert again.rule.rounds == [0, 1]
     assert (tmp_path / "site-1-workspace" / "fedpartial_state" / "job-a" / "site-1" / "rounds.json").is_file()
     assert start_site("job-b").rule.rounds == []  # another job never sees it
+
+
+def test_class_wise_rules_need_the_model_block_and_get_its_classifier_names():
+    with pytest.raises(ValueError, match=r"AWPAServer.*\"model\": \"\{model\}\""):
+        RuleAggregator(rule="fedpartial.algorithms.fedlsm.AWPAServer")
+    assert RuleAggregator().classifier_names == []  # FedAvg needs none
+    unet = {"arch": "unet", "arch_args": {"channels": [8, 16], "strides": [2]}, "in_channels": 1, "class_names": ["lesion"],
+            "task": "segmentation"}
+    names = RuleAggregator(rule="fedpartial.algorithms.fedirm.FedIRMServer", model=MODEL).classifier_names
+    assert names == ["fc.weight", "fc.bias"]
+    assert RuleAggregator(model=unet).classifier_names[0].startswith("net.")

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from fedpartial.data.synthetic import make_classification, make_segmentation
+from fedpartial_tools.synthetic import make_classification, make_segmentation
 
 
 def _equal(a, b):

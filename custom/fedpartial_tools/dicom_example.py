@@ -57,7 +57,7 @@ def write_ct_slice(path: str, image: np.ndarray, patient_id: str, instance: int)
 
 def _source(path: str):
     from fedpartial.data.npz import load_npz
-    from fedpartial.data.synthetic import make_classification
+    from fedpartial_tools.synthetic import make_classification
 
     if path and os.path.isfile(path):
         return load_npz(path)

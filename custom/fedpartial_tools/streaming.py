@@ -7,7 +7,7 @@ data held in memory, each in its own process so each has its own peak RSS, all i
 It writes a synthetic grey multi-label site folder of ``--images`` train images at ``--size`` px
 chunk by chunk (:class:`fedpartial.data.sitefile.SiteFolderWriter`; never whole in memory), then
 trains one round of :class:`fedpartial.algorithms.fedavg.SupervisedClient` from a ``ClientContext``
-built by hand (as ``fedpartial.throughput`` does):
+built by hand (as ``fedpartial_tools.throughput`` does):
 
 * ``streaming``: the site folder as the executor loads it (images memory-mapped); the folder's
   files are dropped from the page cache first (unless ``--warm``), so its reads come from disk;

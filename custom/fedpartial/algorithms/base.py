@@ -131,7 +131,14 @@ class ServerContext:
 
 
 class ServerRule:
-    """Base class of a method's server rule. :meth:`aggregate` is the whole rule."""
+    """Base class of a method's server rule. :meth:`aggregate` is the whole rule.
+
+    A rule that sets ``needs_classifier_names`` reads ``ServerContext.classifier_param_names``
+    (class-wise averaging, shape checks of statistics); the aggregator then refuses to start
+    without the job's model block.
+    """
+
+    needs_classifier_names = False
 
     def check_stats(self, update: SiteUpdate, ctx: ServerContext) -> None:
         """Raise ``ValueError`` naming the key when ``update.stats`` is malformed (wrong size,

@@ -624,6 +624,8 @@ class FedIRMServer(ServerRule):
             class) or ``counts`` (weighted by each site's class count).
     """
 
+    needs_classifier_names = True
+
     def __init__(self, relation_weighting: str = "sites"):
         if relation_weighting not in RELATION_WEIGHTINGS:
             raise ValueError(f"FedIRMServer relation_weighting '{relation_weighting}' unknown; "

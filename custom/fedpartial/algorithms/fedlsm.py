@@ -586,6 +586,8 @@ class AWPAServer(ServerRule):
         max_pos_weight: optional cap on the global multi-label positive weights (None: none).
     """
 
+    needs_classifier_names = True
+
     def __init__(self, use_awpa: bool = True, without_awpa: str = "masked", max_pos_weight: Optional[float] = None):
         if without_awpa not in ("masked", "fedavg"):
             raise ValueError(f"without_awpa '{without_awpa}' unknown; choose 'masked' or 'fedavg'")

@@ -543,6 +543,8 @@ class FedMLPServer(ServerRule):
             every non-empty prototype, as the paper).
     """
 
+    needs_classifier_names = True
+
     def __init__(self, t0: float = 0.005, t1: float = 0.01, min_prototype_samples: int = 1):
         for name, v in (("t0", t0), ("t1", t1)):
             if not 0.0 <= float(v) <= 1.0:

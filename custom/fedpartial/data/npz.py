@@ -3,14 +3,13 @@ and ``../shared/data``), the segmentation layout, and this project's site files 
 :mod:`fedpartial.data.sitefile`)."""
 from __future__ import annotations
 
-import json
 import os
-import tempfile
-import zipfile
 from typing import Dict, Optional, Sequence
 
 import numpy as np
 
+from fedpartial.data.arrays import atomic_savez, check_images, open_npz, plain_array
+from fedpartial.data.sitefile import dataset_from_site_arrays
 from fedpartial.data.types import MULTI_LABEL, SEGMENTATION, SINGLE_LABEL, DataError, Dataset, Split
 
 SPLITS = ("train", "val", "test")
@@ -20,40 +19,12 @@ _FLIPPED_SOURCES = ("covid_semiseg",)
 UPRIGHT_KEY = "slices_upright"
 
 
-def open_npz(path: str) -> Dict[str, np.ndarray]:
-    """Read every array of an ``.npz`` into memory; corrupt or truncated files raise DataError
-    naming the file (and the key, when one array is damaged)."""
-    if not os.path.isfile(path):
-        raise DataError(f"data file '{path}' not found")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            out = {}
-            for key in z.files:
-                try:
-                    out[key] = z[key]
-                except Exception as e:
-                    raise DataError(f"'{path}': array '{key}' is unreadable ({type(e).__name__}: {e})") from e
-            return out
-    except DataError:
-        raise
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError) as e:
-        raise DataError(f"'{path}' is not a readable .npz file ({type(e).__name__}: {e}); "
-                        f"it may be truncated or corrupt") from e
-
-
 def _names(arrays, key: str, count: Optional[int], path: str):
     if key in arrays:
         return [str(x) for x in arrays[key].tolist()]
     if count is None:
         raise DataError(f"'{path}' lacks '{key}'")
     return [f"class_{i}" for i in range(count)]
-
-
-def check_images(images: np.ndarray, path: str, key: str) -> None:
-    if images.ndim not in (3, 4) or (images.ndim == 4 and images.shape[-1] not in (1, 3)):
-        raise DataError(f"'{path}': '{key}' has shape {images.shape}; expected (N,H,W) or (N,H,W,3)")
-    if images.dtype != np.uint8:
-        raise DataError(f"'{path}': '{key}' has dtype {images.dtype}; expected uint8")
 
 
 def classification_labels(raw: np.ndarray, num_classes: int, path: str, key: str):
@@ -108,8 +79,6 @@ def load_npz(path: str, require_train: bool = True, default_class_names: Optiona
     """
     arrays = open_npz(path)
     if "task" in arrays and "site" in arrays:
-        from fedpartial.data.sitefile import dataset_from_site_arrays
-
         return dataset_from_site_arrays(arrays, path)
     segmentation = any(k.endswith("_masks") for k in arrays)
     if require_train and "train_images" not in arrays:
@@ -235,43 +204,3 @@ def save_npz(dataset: Dataset, path: str) -> None:
     else:
         arrays["label_names"] = np.array(dataset.class_names)
     atomic_savez(path, arrays)
-
-
-def atomic_savez(path: str, arrays: Dict[str, np.ndarray]) -> None:
-    """``np.savez_compressed`` to a temporary file in the same folder, then rename."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".npz.tmp", dir=folder)
-    os.close(fd)
-    try:
-        with open(tmp, "wb") as f:
-            np.savez_compressed(f, **arrays)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file normal permissions
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def plain_array(values) -> np.ndarray:
-    """ids / groups as a numeric or unicode array (object arrays would need pickle to load)."""
-    values = np.asarray(values)
-    return values.astype(str) if values.dtype == object else values
-
-
-def info_json(info: dict) -> np.ndarray:
-    """``info`` as a 0-d unicode array (numpy numbers and arrays become plain JSON)."""
-    def plain(value):
-        if isinstance(value, np.generic):
-            return value.item()
-        if isinstance(value, np.ndarray):
-            return value.tolist()
-        raise TypeError(f"info value {value!r} ({type(value).__name__}) is not JSON-able")
-
-    return np.array(json.dumps(info, sort_keys=True, default=plain))
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask

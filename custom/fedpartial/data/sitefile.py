@@ -22,7 +22,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from fedpartial.data.npz import atomic_savez, check_images, info_json, open_npz, plain_array
+from fedpartial.data.arrays import atomic_savez, check_images, info_json, open_npz, plain_array, umask
 from fedpartial.data.types import SEGMENTATION, TASKS, DataError, Dataset, Split
 
 SITE_SPLITS = ("train", "val", "test")
@@ -231,7 +231,7 @@ class SiteFolderWriter:
                     np.save(os.path.join(self.tmp, f"{split}_{key}.npy"), values, allow_pickle=False)
             with open(os.path.join(self.tmp, META_FILE), "w") as f:
                 json.dump(_meta(self.task, self.class_names, self.site, self.info), f, indent=1, sort_keys=True)
-            os.chmod(self.tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the folder normal permissions
+            os.chmod(self.tmp, 0o777 & ~umask())  # mkdtemp makes 0700; give the folder normal permissions
             _replace_folder(self.tmp, self.path)
         except BaseException:
             self.abort()
@@ -260,12 +260,6 @@ def _replace_folder(tmp: str, path: str) -> None:
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def open_site_folder(path: str) -> Dict[str, np.ndarray]:

@@ -8,6 +8,7 @@ import time
 from typing import Dict, List
 
 import numpy as np
+import torch
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
 from nvflare.apis.fl_constant import ReservedKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
@@ -17,7 +18,8 @@ from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.algorithms.base import ServerContext, SiteUpdate
-from fedpartial.flare.common import GLOBAL_STATS, SITE_METRICS, SITE_STATS, atomic_write_json, build_rule
+from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, atomic_write_json, build_model_from_settings,
+                                     build_rule, import_class, model_settings)
 
 METRICS_FILE = "metrics.json"
 
@@ -50,6 +52,18 @@ def check_weights(weights, reference: Dict[str, np.ndarray]) -> None:
             raise ValueError(f"parameter '{key}' holds NaN or Inf")
 
 
+def classifier_names(model: dict, rule: str) -> List[str]:
+    """Names of the classifier parameters of the job's model block (built on the meta device:
+    no weights are allocated). ``[]`` without a block, unless the rule needs them."""
+    if not model:
+        if getattr(import_class(rule), "needs_classifier_names", False):
+            raise ValueError(f"the aggregator's rule '{rule}' averages or checks the classifier parameters: "
+                             f"give the aggregator the job's model block (\"model\": \"{{model}}\" in its args)")
+        return []
+    with torch.device("meta"):
+        return list(build_model_from_settings(model_settings(model)).classifier_param_names())
+
+
 class RuleAggregator(Aggregator):
     """Collects site updates, rejects malformed ones (logged with the site's name), and
     aggregates the rest with the method's server rule.
@@ -57,25 +71,22 @@ class RuleAggregator(Aggregator):
     Args:
         rule: dotted path of the ServerRule class.
         rule_args: its hyperparameters.
-        persistor_id: component id of the persistor, whose model names the classifier parameters.
+        model: the job's ``model`` block (``"{model}"``); it names the classifier parameters
+            that class-wise rules (FedLSM, FedMLP, FedIRM) average and check. Required by those
+            rules: the aggregator refuses to start without it.
         min_valid_updates: a round with fewer valid updates fails with a clear message.
     """
 
     def __init__(self, rule: str = "fedpartial.algorithms.fedavg.FedAvgServer", rule_args: dict = None,
-                 persistor_id: str = "persistor", min_valid_updates: int = 1):
+                 model: dict = None, min_valid_updates: int = 1):
         super().__init__()
         self.rule_path = rule
         self.rule = build_rule(rule, rule_args)
-        self.persistor_id = persistor_id
+        self.classifier_names = classifier_names(model, rule)
         self.min_valid_updates = int(min_valid_updates)
         self.updates: List[SiteUpdate] = []
         self.rejected: Dict[str, str] = {}
         self.history: List[dict] = []
-
-    def _classifier_names(self, fl_ctx: FLContext) -> List[str]:
-        persistor = fl_ctx.get_engine().get_component(self.persistor_id)
-        model = getattr(persistor, "model", None)
-        return list(model.classifier_param_names()) if model is not None else []
 
     def _global(self, fl_ctx: FLContext):
         learnable = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
@@ -88,7 +99,7 @@ class RuleAggregator(Aggregator):
         weights, stats = self._global(fl_ctx)
         return ServerContext(round=int(fl_ctx.get_prop(AppConstants.CURRENT_ROUND, 0) or 0),
                              num_rounds=int(fl_ctx.get_prop(AppConstants.NUM_ROUNDS, 1) or 1),
-                             classifier_param_names=self._classifier_names(fl_ctx), global_weights=weights,
+                             classifier_param_names=list(self.classifier_names), global_weights=weights,
                              global_stats=stats, log=lambda m: self.log_info(fl_ctx, m))
 
     def _reject(self, fl_ctx, site, why) -> bool:

@@ -1,6 +1,6 @@
 """DICOM folder + CSV manifest reader (pydicom).
 
-The manifest is the CSV described in :mod:`fedpartial.data.images` (shared with PNG / JPEG
+The manifest is the CSV described in :mod:`fedpartial_tools.images` (shared with PNG / JPEG
 folders), one row per DICOM file (an image or a multi-frame series):
 
 * ``file[,split],label[,patient_id]``: ``label`` is one class per row for single-label data (a
@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from fedpartial.data.images import assemble, read_manifest, resize_image
+from fedpartial_tools.images import assemble, read_manifest, resize_image
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, DataError, Dataset
 
 SPLITS = ("train", "val", "test")

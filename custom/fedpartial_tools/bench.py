@@ -162,8 +162,8 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
         overlay_images: segmentation suites: test images in ``<suite>_overlays_seed<k>.png`` after
             each seed (0 = no overlays).
     """
-    from fedpartial.data.partition import split_file
-    from fedpartial.jobtools import dataset_overrides, simulate
+    from fedpartial_tools.partition import split_file
+    from fedpartial_tools.jobtools import dataset_overrides, simulate
 
     suite = SUITES[name]
     source = os.path.join(data_dir, suite.dataset_for(profile))

@@ -1,6 +1,6 @@
 """What the statistics filters cost in accuracy.
 
-``python -m fedpartial.privacy measure --workspace WS`` runs a job (default ``jobs/fedlsm``) in the
+``python -m fedpartial_tools.privacy measure --workspace WS`` runs a job (default ``jobs/fedlsm``) in the
 FLARE simulator twice on the same split, once as configured and once with a
 :class:`fedpartial.flare.filters.StatisticsPrivacyFilter` (minimum-count rule + Gaussian noise on
 the statistics) as the sites' train result filter, evaluates both final global models on a test
@@ -10,7 +10,7 @@ within a few minutes on 2 CPU cores.
 
 Example::
 
-    python -m fedpartial.privacy measure --workspace /tmp/privacy --min-count 5 \\
+    python -m fedpartial_tools.privacy measure --workspace /tmp/privacy --min-count 5 \\
         --sigma class_counts=10 --sigma label_pos=10 --sigma label_neg=10 --rounds 5 --seeds 0,1
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def write_demo_split(out_dir: str, n_train=(60, 40, 24), n_val: int = 16, n_test
         mask[:, classes] = True
         site = Dataset(SINGLE_LABEL, DEMO_CLASSES, {"train": Split(train.images, train.labels * mask, mask),
                                                       "val": val},
-                       source="fedpartial.privacy demo", site=f"site-{k}",
+                       source="fedpartial_tools.privacy demo", site=f"site-{k}",
                        info={"scenario": "label-set-mismatch", "annotated_classes": classes})
         write_site_file(os.path.join(out_dir, f"site-{k}.npz"), site)
     return _demo_split(n_test, rng)
@@ -151,7 +151,7 @@ def measure(workspace: str, job: str = "jobs/fedlsm", data_root: Optional[str] =
     elif test is None:
         raise ValueError("measure: give a test split together with data_root")
     else:
-        from fedpartial.jobtools import dataset_overrides
+        from fedpartial_tools.jobtools import dataset_overrides
 
         sets = dataset_overrides(data_root) + sets  # class names, task, channels, size of the site files
     sigma = dict(sigma or {})
@@ -185,7 +185,7 @@ def measure(workspace: str, job: str = "jobs/fedlsm", data_root: Optional[str] =
 
 
 def _simulate():
-    from fedpartial.jobtools import simulate
+    from fedpartial_tools.jobtools import simulate
 
     return simulate
 
@@ -201,7 +201,7 @@ def _parse_sigma(items: Sequence[str]) -> Dict[str, float]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m fedpartial.privacy", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m fedpartial_tools.privacy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("measure", help="test AUC with and without the privacy filters")

@@ -129,11 +129,22 @@ def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_
     with open(meta_path, "w") as f:
         json.dump(meta, f, indent=2)
     if with_code:
-        pkg = os.path.dirname(os.path.abspath(fedpartial.__file__))
         for app in glob.glob(os.path.join(out_dir, "*", "config")):
-            shutil.copytree(pkg, os.path.join(os.path.dirname(app), "custom", "fedpartial"),
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            copy_runtime(os.path.join(os.path.dirname(app), "custom"))
     return out_dir
+
+
+# Not shipped: the ``python -m fedpartial`` entry point, a shim onto fedpartial_tools.cli.
+NOT_SHIPPED = ("__main__.py", "__pycache__", "*.pyc")
+
+
+def copy_runtime(custom_dir: str) -> str:
+    """Copy the runtime package (what sites and the server execute: ``fedpartial`` without its
+    command-line shim) into a job's ``app/custom``. Returns the package's folder there."""
+    pkg = os.path.dirname(os.path.abspath(fedpartial.__file__))
+    dest = os.path.join(custom_dir, "fedpartial")
+    shutil.copytree(pkg, dest, ignore=shutil.ignore_patterns(*NOT_SHIPPED))
+    return dest
 
 
 def site_paths(data_root: str) -> Dict[str, str]:

@@ -13,13 +13,13 @@ Shared by ``poc/*.sh``, ``provisioning/*.sh`` and the end-to-end tests:
 
 Command line (used by the shell scripts)::
 
-    python -m fedpartial.deploy poc-project --sites 3 --port 8102 --out STATE/project.yml
-    python -m fedpartial.deploy run-job --admin-kit KIT --job JOBDIR --out DIR [--timeout S]
-    python -m fedpartial.deploy results DIR          # where global_model.pt / metrics.json are
-    python -m fedpartial.deploy resource-spec JOBDIR --gpus 1 --gpu-mem 8
-    python -m fedpartial.deploy admin-kit PROD_DIR --role project_admin
-    python -m fedpartial.deploy job-task JOBDIR | data-overrides DATA_ROOT
-    python -m fedpartial.deploy stop-leftovers ROOT  # end processes naming ROOT; rc 1 if any survive
+    python -m fedpartial_tools.deploy poc-project --sites 3 --port 8102 --out STATE/project.yml
+    python -m fedpartial_tools.deploy run-job --admin-kit KIT --job JOBDIR --out DIR [--timeout S]
+    python -m fedpartial_tools.deploy results DIR          # where global_model.pt / metrics.json are
+    python -m fedpartial_tools.deploy resource-spec JOBDIR --gpus 1 --gpu-mem 8
+    python -m fedpartial_tools.deploy admin-kit PROD_DIR --role project_admin
+    python -m fedpartial_tools.deploy job-task JOBDIR | data-overrides DATA_ROOT
+    python -m fedpartial_tools.deploy stop-leftovers ROOT  # end processes naming ROOT; rc 1 if any survive
 """
 from __future__ import annotations
 
@@ -318,9 +318,9 @@ def demo_data(job_dir: str, out_dir: str, sites: int, shared_data: str = "") -> 
     """Site files for the demo of ``job_dir``: HAM10000 from ``../shared/data`` for single-label
     jobs when it is there, else the built-in synthetic data; the scenario follows the method.
     Returns the source ``.npz`` (its test split is what the demo evaluates on)."""
-    from fedpartial.data import synthetic
+    from fedpartial_tools import synthetic
     from fedpartial.data.npz import save_npz
-    from fedpartial.data.partition import split_file
+    from fedpartial_tools.partition import split_file
 
     task = job_model(job_dir).get("task", "multi-label")
     name = os.path.basename(os.path.abspath(job_dir))
@@ -499,13 +499,13 @@ def _cmd_demo_data(args):
 
 
 def _cmd_data_overrides(args):
-    from fedpartial.jobtools import dataset_overrides
+    from fedpartial_tools.jobtools import dataset_overrides
 
     print("\n".join(dataset_overrides(args.data_root)))
 
 
 def _cmd_progress(args):
-    from fedpartial.jobtools import RoundProgress, _config_paths
+    from fedpartial_tools.jobtools import RoundProgress, _config_paths
 
     config = json.load(open(_config_paths(args.job)["server"]))
     progress = RoundProgress(int(config.get("num_rounds", 0)), str(config.get("key_metric", "")),
@@ -531,7 +531,7 @@ def _cmd_stop_leftovers(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fedpartial.deploy", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fedpartial_tools.deploy", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     for cmd, fn, what in (("poc-project", _cmd_poc_project, "project.yml for 'nvflare poc prepare -i'"),
                           ("localhost-project", _cmd_localhost_project, "one-machine project.yml to provision")):

@@ -9,13 +9,13 @@ import sys
 
 
 def _cmd_split(args):
-    from fedpartial.data.partition import split_command
+    from fedpartial_tools.partition import split_command
 
     split_command(args)
 
 
 def _cmd_simulate(args):
-    from fedpartial.jobtools import dataset_overrides, simulate
+    from fedpartial_tools.jobtools import dataset_overrides, simulate
 
     sets = (dataset_overrides(args.data_root) if args.fit_data else []) + list(args.set)
     summary = simulate(args.job, args.data_root, args.workspace, sets, threads=args.threads, timeout=args.timeout)
@@ -30,7 +30,7 @@ def _cmd_simulate(args):
 
 
 def _cmd_package(args):
-    from fedpartial.jobtools import package_job
+    from fedpartial_tools.jobtools import package_job
 
     out = package_job(args.job, args.out, args.set, data_root=args.data_root, name=args.name)
     print(out)
@@ -41,7 +41,7 @@ _SEGMENTATION_KEYS = ("dice_per_image", "dice_pooled", "iou_per_image", "iou_poo
 
 
 def _cmd_evaluate(args):
-    from fedpartial.evaluation import evaluate_data
+    from fedpartial_tools.evaluate import evaluate_data
     from fedpartial.flare.common import jsonable
     from fedpartial.models.io import load_model_file
     from fedpartial.training.common import select_device
@@ -117,7 +117,7 @@ def format_evaluation(out: dict, meta: dict) -> str:
 def _cmd_pseudo_labels(args):
     import glob
 
-    from fedpartial.evaluation import pseudo_label_census
+    from fedpartial_tools.evaluate import pseudo_label_census
     from fedpartial.models.io import load_model_file
     from fedpartial.training.common import select_device
 
@@ -140,7 +140,7 @@ def _cmd_pseudo_labels(args):
 
 
 def _cmd_synthetic(args):
-    from fedpartial.data import synthetic
+    from fedpartial_tools import synthetic
     from fedpartial.data.npz import save_npz
 
     if args.task == "segmentation":
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("split", help="partition one dataset into K site files with per-site label masks")
-    from fedpartial.data.partition import add_split_arguments
+    from fedpartial_tools.partition import add_split_arguments
 
     add_split_arguments(s)
     s.set_defaults(func=_cmd_split)
@@ -220,12 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.set_defaults(func=_cmd_synthetic)
 
-    from fedpartial.bench import add_bench_parser
-    from fedpartial.throughput import add_throughput_parser
+    from fedpartial_tools.bench import add_bench_parser
+    from fedpartial_tools.throughput import add_throughput_parser
 
     add_bench_parser(sub)
     add_throughput_parser(sub)
-    from fedpartial.data.importer import add_import_parser
+    from fedpartial_tools.importer import add_import_parser
 
     add_import_parser(sub)
     return p
