@@ -252,7 +252,8 @@ def test_write_overlays_uses_the_evaluation_path(tmp_path):
         save_model_file(tmp_path / name / "seed0" / job / "global_model.pt", model, meta)
     path, dice = bench.write_overlays(name, str(tmp_path), 0, source, n_images=10, device="cpu")
     assert path == str(tmp_path / f"{name}_overlays_seed0.png") and os.path.isfile(path)
-    assert list(dice) == ["fedavg_seg", "fedavg_seg_full", "fedia", "fedia_no_correction", "fedia_threshold95"]
+    assert list(dice) == ["fedavg_seg", "fedavg_seg_full", "fedia", "fedia_no_correction", "fedia_keep_weighting",
+                          "fedia_threshold95"]
     test = resize_dataset(load_npz(source), (8, 8)).splits["test"]
     for job in dice:
         model, meta_read = load_model_file(tmp_path / name / "seed0" / job / "global_model.pt")
@@ -279,7 +280,7 @@ def test_bench_commands(tmp_path):
     cpu = {"profile": "cpu", "rounds": None, "sets": ["rule_args.lr=0.01"], "diagnostics": True}
     rows = (_rows("fedlsm-ham", [0, 1], cpu) + _rows("fedlsm-ham", [2], {**cpu, "rounds": 5, "sets": []}, ["fedlsm"])
             + _rows("fedirm-ham", [0]))  # no bench_args: rows from before bench recorded them
-    for r in rows[-3:]:
+    for r in rows[-len(bench.SUITES["fedirm-ham"].jobs):]:
         r["rounds"] = 30.0
     out = os.path.join(bench.REPO, "runs", "b")
     cmds = bench.bench_commands(rows, out)
@@ -422,3 +423,31 @@ def test_a_profile_on_other_data_refuses_a_split_made_from_another_file(tmp_path
 def test_reports_list_suites_in_suite_order_whatever_the_row_order():
     rows = [{"suite": "fedia-dsb-m2"}, {"suite": "fedlsm-ham"}, {"suite": "fedirm-ham"}, {"suite": "fedlsm-ham"}]
     assert bench.suites_of(rows) == ["fedlsm-ham", "fedirm-ham", "fedia-dsb-m2"]
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_every_baseline_runs_with_its_methods_model_and_recipe(profile):
+    """A row compares rules: in every suite each baseline gets the method's network, image size,
+    learning rate, batch size, weight decay and rounds (the bench's matched_sets)."""
+    from fedpartial_tools.bench import SHARED_MODEL_KEYS, SHARED_RULE_KEYS, job_settings, matched_sets
+
+    for name, suite in bench.SUITES.items():
+        method_task = job_settings(suite.method)["model"]["task"]
+        # what dataset_overrides would set from the site files: the same for every job of a suite
+        data_sets = ['model.class_names=["a","b","c"]', f"model.task={method_task}", "model.in_channels=1",
+                     "model.input_size=[32,32]"]
+        sets = data_sets + list(suite.overrides.get(profile, [])) + ["seed=0"]
+        method = job_settings(suite.method, sets)
+        for job in suite.jobs:
+            got = job_settings(suite.job_folder(job), sets + matched_sets(suite, job, sets) + suite.variants.get(job, []))
+            assert got["num_rounds"] == method["num_rounds"], (name, job)
+            for key in SHARED_MODEL_KEYS:
+                assert got["model"].get(key) == method["model"].get(key), (name, profile, job, key)
+            for key in SHARED_RULE_KEYS:
+                mine, theirs = got["rule_args"].get(key), method["rule_args"].get(key)
+                if mine is None or theirs is None or (key == "local_epochs" and float(theirs) != int(theirs)):
+                    continue
+                assert mine == theirs, (name, profile, job, key, mine, theirs)
+    # the check has teeth: without matching, fedmlp's baselines would run a shallower network
+    suite = bench.SUITES["fedmlp-ctich"]
+    assert any(s.startswith("model.arch_args=") for s in matched_sets(suite, "fedavg", suite.overrides["cpu"]))

@@ -281,3 +281,40 @@ def test_privacy_measure_wires_the_percentile_filter_chain(tmp_path, monkeypatch
     assert result["auc_difference"] == 0.0  # the same saved model twice
     with pytest.raises(ValueError, match="nothing to compare"):
         privacy.measure(str(tmp_path / "ws2"), stats_filter=False, percentile=None)
+
+
+# Client rule -> the filter preset of the statistics it sends (FedAvg rules send none).
+STAT_PRESETS = {"FedLSMClient": {"single-label": "fedlsm", "multi-label": "fedlsm"},
+                "FedMLPClient": {"multi-label": "fedmlp"},
+                "FedIRMClient": {"single-label": "fedirm", "multi-label": "fedirm_multilabel"},
+                "FedIAClient": {"segmentation": "fedia"}}
+
+
+def test_every_job_whose_sites_send_statistics_ships_the_min_count_rule():
+    """No class-wise statistic computed from fewer than 5 samples leaves a site by default
+    (a FedMLP prototype or a FedIRM relation row from one image is that image's features)."""
+    import json
+    from pathlib import Path
+
+    jobs = Path(__file__).resolve().parents[1] / "jobs"
+    checked = []
+    for client_file in sorted(jobs.glob("*/app/config/config_fed_client.json")):
+        job = client_file.parts[-4]
+        client = json.loads(client_file.read_text())
+        task = json.loads(client_file.with_name("config_fed_server.json").read_text())["model"]["task"]
+        rule = client["executors"][0]["executor"]["args"]["rule"].rsplit(".", 1)[1]
+        filters = [f for chain in client["task_result_filters"] if "train" in chain["tasks"] for f in chain["filters"]
+                   if f["path"].endswith("StatisticsPrivacyFilter")]
+        if rule not in STAT_PRESETS:
+            assert not filters, f"{job}: {rule} sends no statistics"
+            continue
+        assert len(filters) == 1, f"{job}: sends statistics without the StatisticsPrivacyFilter"
+        args = filters[0]["args"]
+        assert args["preset"] == STAT_PRESETS[rule][task], job
+        assert args["min_count"] >= 5, job
+        checked.append(job)
+        # as shipped, the filter withholds a one-sample FedMLP prototype
+        if rule == "FedMLPClient":
+            out = from_shareable(StatisticsPrivacyFilter(**args).process(_message(_fedmlp_stats()), _ctx()))
+            np.testing.assert_array_equal(out.get_meta_prop(SITE_STATS)["prototype_counts_pos"], [0, 0, 7])
+    assert {"fedlsm", "fedmlp", "fedirm", "fedia"} <= set(checked)

@@ -201,7 +201,8 @@ def _old_round(data):
     from fedpartial.algorithms.fedavg import labelled_rows, supervised_loss
     from fedpartial.data.transforms import flip_batch
     from fedpartial.models import build_model
-    from fedpartial.training.common import batch_indices, images_to_tensor, seed_everything, state_dict_numpy
+    from fedpartial.training.common import (batch_indices, images_to_tensor, round_seed, seed_everything,
+                                            state_dict_numpy)
 
     torch.manual_seed(0)
     model = build_model("small_cnn", 3, 1, width=4, depth=2)
@@ -210,8 +211,9 @@ def _old_round(data):
     images = images_to_tensor(np.asarray(train.images)[rows])
     labels = torch.as_tensor(train.labels[rows], dtype=torch.float32)
     mask = torch.as_tensor(train.label_mask[rows], dtype=torch.float32)
-    seed_everything(3 * 1000 + 1)
-    rng = np.random.default_rng(3 * 1000 + 1)
+    seed = round_seed(3, "site-1", 1)
+    seed_everything(seed)
+    rng = np.random.default_rng(seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=5e-4)
     model.train()
     for _ in range(2):

@@ -92,6 +92,8 @@ SUITES: Dict[str, Suite] = {
                         overrides={"cpu": _CPU_CLS + ["num_rounds=30"],
                                    "gpu": ["model.arch=densenet121", "model.arch_args={\"dropout\":0.2}",
                                            "num_rounds=100"]},
+                        # the method's own recipe on the labelled sites alone: the like-for-like lower bound
+                        variants={"fedirm_labelled_only": ["rule_args.unlabelled_start_round=1000000"]},
                         datasets={"gpu": "ham10000_64.npz"}),
 }
 for _m in range(4):
@@ -100,10 +102,56 @@ for _m in range(4):
         "dsb2018_nuclei_256.npz", "incomplete-masks",
         {"completeness": [(20 * k - 10 * _m + 40) / 100 for k in range(4)]}, 4, "fedia", "fedavg_seg",
         "fedavg_seg_full", metrics=["dice", "iou"],
+        # like with like: fedia switches to plain FedAvg once every site has corrected, which a
+        # run without correction never reaches; fedia_keep_weighting is fedia with completeness
+        # weighting to the end, the row fedia_no_correction compares with
         variants={"fedia_no_correction": ["rule_args.use_correction=false"],
+                  "fedia_keep_weighting": ["rule_args.fedavg_after_all_corrected=false"],
                   "fedia_threshold95": ["rule_args.correction_threshold=0.95"]},
         overrides={"cpu": ["num_rounds=30", "model.input_size=[64,64]", "rule_args.lr=0.001"],
                    "gpu": ["num_rounds=100", "model.input_size=[256,256]"]})
+
+
+# What a baseline takes from its method, so that a row compares rules, not networks or recipes:
+# the whole model block but the classes, and the local recipe keys both rules accept. The
+# augmentation stays each rule's own (FedLSM's weak / strong views and FedIRM's affine view are
+# part of those methods); FedIRM's like-for-like lower bound is its own job with the unlabelled
+# sites never joining (the ``fedirm_labelled_only`` row).
+SHARED_MODEL_KEYS = ("arch", "arch_args", "in_channels", "input_size", "normalisation", "pretrained")
+SHARED_RULE_KEYS = ("lr", "weight_decay", "betas", "batch_size", "local_epochs")
+
+
+def job_settings(folder: str, sets: Sequence[str] = ()) -> dict:
+    """The effective ``model`` block, client ``rule_args`` and ``num_rounds`` of ``jobs/<folder>``
+    after ``sets``."""
+    from fedpartial_tools.jobtools import _config_paths, apply_overrides
+
+    configs = {side: json.load(open(path)) for side, path in _config_paths(os.path.join(REPO, "jobs", folder)).items()}
+    apply_overrides(configs, list(sets))
+    executor = configs["client"]["executors"][0]["executor"]["args"]
+    return {"model": configs["server"]["model"], "rule_args": executor.get("rule_args", {}),
+            "num_rounds": configs["server"].get("num_rounds")}
+
+
+def matched_sets(suite: "Suite", job: str, sets: Sequence[str] = ()) -> List[str]:
+    """``--set`` items giving a baseline ``job`` of ``suite`` its method's model and local recipe
+    (:data:`SHARED_MODEL_KEYS`, :data:`SHARED_RULE_KEYS`), after the common ``sets``; ``[]`` for
+    the method and its variants. ``local_epochs`` is shared only when both are whole epochs."""
+    if suite.job_folder(job) == suite.method:
+        return []
+    method, base = job_settings(suite.method, sets), job_settings(suite.job_folder(job), sets)
+    out = [f"num_rounds={method['num_rounds']}"] if base["num_rounds"] != method["num_rounds"] else []
+    for key in SHARED_MODEL_KEYS:
+        if key in method["model"] and base["model"].get(key) != method["model"][key]:
+            out.append(f"model.{key}={json.dumps(method['model'][key])}")
+    for key in SHARED_RULE_KEYS:
+        value = method["rule_args"].get(key)
+        if key not in base["rule_args"] or value is None or value == base["rule_args"][key]:
+            continue
+        if key == "local_epochs" and float(value) != int(value):
+            continue  # FedLSM's 1.3 epochs are its iteration budget; the FedAvg rules count whole epochs
+        out.append(f"rule_args.{key}={json.dumps(value)}")
+    return out
 
 
 def suites_of(rows: Sequence[dict]) -> List[str]:
@@ -197,8 +245,8 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
             ws = os.path.join(out_dir, name, f"seed{seed}", job)
             started = time.time()
             folder = suite.job_folder(job)
-            job_sets = sets + suite.variants.get(job, []) + ([REFERENCE_SET] if diagnostics and folder == suite.method
-                                                             else [])
+            job_sets = (sets + matched_sets(suite, job, sets) + suite.variants.get(job, [])
+                        + ([REFERENCE_SET] if diagnostics and folder == suite.method else []))
             simulate(os.path.join(REPO, "jobs", folder), split_dir, ws, job_sets, log=log)
             row = _evaluate_row(name, suite, job, seed, ws, source, time.time() - started)
             row["bench_args"] = bench_args

@@ -24,7 +24,7 @@ from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, Serv
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import SINGLE_LABEL
 from fedpartial.training.common import (batch_indices, images_to_tensor, masked_bce_with_logits, masked_cross_entropy,
-                                        prefetch, seed_everything, take_rows)
+                                        prefetch, round_seed, seed_everything, take_rows)
 
 LOSS_MODES = ("missing-negative", "partial", "full")
 
@@ -160,8 +160,9 @@ class SupervisedClient(ClientRule):
         n = len(self.rows)
         if n == 0:
             return RoundResult(num_samples=0, metrics={"train_loss": 0.0})
-        seed_everything(self.ctx.seed * 1000 + inp.round)
-        rng = np.random.default_rng(self.ctx.seed * 1000 + inp.round)
+        seed = round_seed(self.ctx.seed, self.ctx.site, inp.round)
+        seed_everything(seed)
+        rng = np.random.default_rng(seed)
         device = self.ctx.device
         optimizer = torch.optim.Adam(model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
         model.train()

@@ -37,6 +37,13 @@ Deviations from the paper / reference code, on purpose:
       ``model.fc``, as in every ``fedpartial`` classifier) the backbone runs once and the head 8
       times: the same samples as 8 full passes for the same random stream, at 1/8 of the cost.
     * A fresh Adam per round (the reference keeps each client's optimiser state across rounds).
+    * The mean teacher persists across rounds (``ctx.state_dir``): an EMA of the student's steps in
+      every round since the site joined, as the reference code keeps it; the paper's Eq. 1 defines
+      the teacher as an EMA of the student without saying it outlives the round, which a teacher
+      re-made from each received global model would also satisfy.
+    * By default each site's result filter withholds a relation row computed from fewer than 5
+      images (``StatisticsPrivacyFilter``, preset ``fedirm``, ``min_count`` 5 in the jobs; the
+      row becomes the uniform placeholder the server already ignores); the paper sends every row.
 
 Why the jobs let unlabelled sites join at round 20 (``unlabelled_start_round``, as the reference
 code does; the constructor default 0 is the paper's text). From round 0, Adam makes every step about
@@ -77,7 +84,7 @@ from fedpartial.algorithms.fedavg import fedavg_weights, labelled_rows
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL
 from fedpartial.training.common import (EMATeacher, batch_indices, images_to_tensor, masked_bce_with_logits,
-                                        masked_cross_entropy, probabilities, seed_everything)
+                                        masked_cross_entropy, probabilities, round_seed, seed_everything)
 
 TEACHER_FILE = "fedirm_teacher.pt"
 AUGMENTATIONS = ("paper", "flip", "weak", "strong", "none")
@@ -444,8 +451,9 @@ class FedIRMClient(ClientRule):
                                 weight_decay=self.weight_decay)
 
     def train_round(self, model, inp: RoundInput) -> RoundResult:
-        seed_everything(self.ctx.seed * 1000 + inp.round)
-        rng = np.random.default_rng(self.ctx.seed * 1000 + inp.round)
+        seed = round_seed(self.ctx.seed, self.ctx.site, inp.round)
+        seed_everything(seed)
+        rng = np.random.default_rng(seed)
         if self.labelled:
             return self._train_labelled(model, inp, rng)
         return self._train_unlabelled(model, inp, rng)

@@ -55,11 +55,18 @@ data size; row c of each classifier parameter (weight row, bias entry) by q_c^k 
 ``use_awpa=False`` is the paper's "w/o AWPA" ablation (Table 3, marked *): *masked* aggregation of
 the proxies, i.e. row c averaged by data size over the sites that annotate c (FedAvg when none
 does). ``without_awpa="fedavg"`` gives plain FedAvg of the rows instead.
+
+Departures from the paper and reference code:
+    * The teacher's weak view flips each image on both axes with p = 0.5 (``flip_batch``); the
+      paper says "flip" without an axis and the usual weak view of its code base is a horizontal
+      flip only. A vertical flip is natural for dermoscopy, less so for chest X-rays.
+    * By default each site's result filter withholds a class count below 5
+      (``StatisticsPrivacyFilter``, preset ``fedlsm``, ``min_count`` 5 in the jobs): that class then
+      takes no part in the site's AWPA row weight, as a class the site never saw.
 """
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -71,7 +78,7 @@ from fedpartial.algorithms.fedavg import fedavg_weights
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, DataError
 from fedpartial.training.common import (EMATeacher, images_to_tensor, iteration_batches, predict, probabilities,
-                                        seed_everything)
+                                        round_seed, seed_everything)
 
 # Reference defaults (per site): skin 200 / 50 of ~1400 images, chest 2000 / 500 of ~9500.
 DEFAULT_CONFIDENT_FRACTION = {SINGLE_LABEL: 200 / 1400, MULTI_LABEL: 2000 / 9500}
@@ -249,10 +256,6 @@ def pos_weight_from_counts(label_pos, label_neg, max_pos_weight: Optional[float]
     return np.minimum(weight, max_pos_weight) if max_pos_weight else weight
 
 
-def _site_code(site: str) -> int:
-    return zlib.crc32(site.encode("utf-8")) & 0x7FFFFFFF
-
-
 # ----------------------------------------------------------------------------- client
 class FedLSMClient(ClientRule):
     """FedLSM local training (see the module docstring).
@@ -414,7 +417,7 @@ class FedLSMClient(ClientRule):
     def train_round(self, model, inp: RoundInput) -> RoundResult:
         ctx, device = self.ctx, self.ctx.device
         n, c = self.images.shape[0], self.num_classes
-        seed = (int(ctx.seed) * 1_000_003 + int(inp.round) * 7919 + _site_code(ctx.site)) % (2**31)
+        seed = round_seed(ctx.seed, ctx.site, inp.round)
         seed_everything(seed)
         rng = np.random.default_rng(seed)
         self._reset_view(seed)

@@ -38,6 +38,14 @@ them out), each switchable (``use_wpc``, ``use_adaptive_threshold``, ``use_cr``;
 *missing* classes and averages over sites missing c; we follow Eq. 10 and Algorithm 1 line 42
 (d_c for c in AC_k, averaged over S_c). Prototypes and Z use un-augmented images in eval mode
 (the reference uses one augmented view), so that they are repeatable.
+
+Departures from the paper:
+    * The WPC loss is a mean over the entries used (annotated + tagged) in the batch, not the
+      paper's sum / C: its denominator grows as MLD tags entries, so a tag does not raise the loss
+      scale (and the step size of Adam's first steps) of every later round.
+    * By default each site's result filter withholds a class's prototype computed from fewer
+      than 5 samples (``StatisticsPrivacyFilter``, preset ``fedmlp``, ``min_count`` 5 in the jobs;
+      a one-sample prototype is that image's feature vector); the paper sends every prototype.
 """
 from __future__ import annotations
 
@@ -54,7 +62,7 @@ from fedpartial.algorithms.fedavg import fedavg_weights
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, DataError
 from fedpartial.training.common import (batch_indices, images_to_tensor, masked_bce_with_logits, predict,
-                                        seed_everything)
+                                        round_seed, seed_everything)
 
 #: keys of the per-site statistics (sent from the end of warm-up on)
 STAT_KEYS = ("prototypes_neg", "prototypes_pos", "prototype_counts_neg", "prototype_counts_pos", "learning_degree",
@@ -100,7 +108,9 @@ def wpc_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, of
              ) -> torch.Tensor:
     """Weighted-Partial-Class loss (paper Eq. 4): BCE over the entries where ``mask`` is 1 only
     (missing classes contribute nothing), on logits shifted by the logit-adjustment ``offset``.
-    Mean over the used entries (the paper's 1/C is a constant factor).
+    Mean over the used entries: the denominator is the number of annotated + tagged entries of
+    the batch, which grows as tags accumulate (the paper divides the sum by C, a constant; a
+    departure, listed in the module docstring).
 
     Args:
         logits: ``(N, C)`` raw logits.
@@ -451,8 +461,9 @@ class FedMLPClient(ClientRule):
         if n == 0:
             self.ctx.log(f"FedMLP: site '{self.ctx.site}' has no training image; it takes no part in the round")
             return RoundResult(num_samples=0, metrics={"stage": float(stage)})
-        seed_everything(self.ctx.seed * 1000 + inp.round)
-        rng = np.random.default_rng(self.ctx.seed * 1000 + inp.round)
+        seed = round_seed(self.ctx.seed, self.ctx.site, inp.round)
+        seed_everything(seed)
+        rng = np.random.default_rng(seed)
         device = self.ctx.device
         metrics: Dict[str, float] = {"stage": float(stage)}
 

@@ -10,6 +10,10 @@ warm-up share these pieces.
   incomplete masks and ``fedavg_seg_full`` on the complete reference copies).
 
 Binary segmentation only: the model has one output channel read with a sigmoid.
+
+Departure from the FedIA reference code: ``weight_decay`` defaults to 0 (the paper names none;
+the reference code's Adam uses 5e-4). It is a constructor argument, so
+``--set rule_args.weight_decay=0.0005`` gives the reference setting.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ import torch
 
 from fedpartial.algorithms.base import ClientContext, ClientRule, RoundInput, RoundResult
 from fedpartial.data.types import DataError
-from fedpartial.training.common import batch_indices, images_to_tensor, predict, seed_everything
+from fedpartial.training.common import batch_indices, images_to_tensor, predict, round_seed, seed_everything
 
 
 def binary_masks(ctx: ClientContext, split: str = "train") -> np.ndarray:
@@ -177,7 +181,7 @@ class SegmentationSupervisedClient(ClientRule):
 
     def round_rng(self, round_index: int) -> np.random.Generator:
         """Seed torch and return the shuffle generator of ``round_index`` (repeatable rounds)."""
-        seed = int(self.ctx.seed) * 1000 + int(round_index)
+        seed = round_seed(self.ctx.seed, self.ctx.site, round_index)
         seed_everything(seed)
         return np.random.default_rng(seed)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-import zlib
 
 import numpy as np
 import torch
@@ -108,7 +107,7 @@ class FedPartialExecutor(Executor):
         memory_format: ``contiguous`` (default) or ``channels_last``: the layout the model trains in
             (see ``fedpartial.training.common.place_model``; on CPU channels_last is 1.2-1.6x faster
             for the methods with affine views, but a seeded run no longer repeats a contiguous one).
-        seed: base seed; each site and round derives its own.
+        seed: base seed; each site and round derives its own (``training.common.round_seed``).
         key_metric: validation metric reported to the server for best-model selection.
         state_dir: where per-site state lives; empty = ``<site workspace>/fedpartial_state/<job id>``.
         tensorboard: write per-round metrics as TensorBoard events in the site's run folder.
@@ -173,11 +172,10 @@ class FedPartialExecutor(Executor):
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tb", self.site))
-        site_seed = self.seed * 1000 + zlib.crc32(self.site.encode()) % 1000
         self.model = place_model(build_model_from_settings(self.settings), self.device, self.memory_format)
         self.rule = build_rule(self.rule_path, self.rule_args)
         self._abort_signal = None
-        ctx = ClientContext(site=self.site, data=self.data, device=self.device, state_dir=state_dir, seed=site_seed,
+        ctx = ClientContext(site=self.site, data=self.data, device=self.device, state_dir=state_dir, seed=self.seed,
                             log=lambda msg: self.log_info(fl_ctx, msg), add_scalar=self._add_scalar,
                             abort=self._aborted, normalisation=self.settings["normalisation"], reference=reference)
         self.rule.setup(ctx)

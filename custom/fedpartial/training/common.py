@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import zlib
 from typing import Callable, Dict, Iterator, Optional
 
 import numpy as np
@@ -58,6 +59,20 @@ def place_model(model: torch.nn.Module, device: torch.device, memory_format: str
     if memory_format == "channels_last":
         model.to(memory_format=torch.channels_last)
     return model
+
+
+def round_seed(seed: int, site: str, round_index: int) -> int:
+    """The seed of one site's round: the run's seed, the site's name and the round mixed by
+    ``np.random.SeedSequence``, so equal-sized sites never draw the same shuffles and augmentations
+    in a round, and a rerun with the same seed repeats every site's round exactly.
+
+    Args:
+        seed: the run's base seed (the job's ``seed``).
+        site: the site's name.
+        round_index: the round (0-based).
+    """
+    site_code = zlib.crc32(str(site).encode("utf-8"))
+    return int(np.random.SeedSequence([int(seed) % (2**32), site_code, int(round_index)]).generate_state(1)[0] >> 1)
 
 
 def seed_everything(seed: int) -> None:
