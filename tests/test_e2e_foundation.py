@@ -60,6 +60,15 @@ def test_fedavg_in_simulator_then_evaluate(sites, tmp_path, capsys):
     assert set(rounds[-1]["sites"]) == {"site-1", "site-2"} and rounds[-1]["sites"]["site-1"]["num_samples"] > 0
     assert "auc" in rounds[-1]["sites"]["site-1"]["val"]
     assert glob.glob(str(ws / "tb" / "site-1" / "events.out.tfevents.*"))
+    # every site's curves also reached the server through FLARE's analytics streaming
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    for site in ("site-1", "site-2"):
+        events = glob.glob(str(ws / "tb_server" / site / "events.out.tfevents.*"))
+        assert events, sorted(os.listdir(ws / "tb_server")) if (ws / "tb_server").is_dir() else "no tb_server"
+        acc = EventAccumulator(os.path.dirname(events[0]))
+        acc.Reload()
+        assert "train/train_loss" in acc.Tags()["scalars"], acc.Tags()["scalars"]
+        assert [e.step for e in acc.Scalars("train/train_loss")] == [0, 1, 2]
     cross = json.loads((ws / "cross_site_val.json").read_text())
     assert "SRV_global_model" in json.dumps(cross)
     capsys.readouterr()

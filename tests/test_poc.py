@@ -77,6 +77,9 @@ def test_run_demo_runs_fedavg_in_poc_and_downloads_the_result(poc_state, tmp_pat
     rounds = json.loads(Path(found["metrics"]).read_text())["rounds"]
     assert [r["round"] for r in rounds] == [0, 1]
     assert sorted(rounds[-1]["sites"]) == ["site-1", "site-2"]
+    # both sites' curves came to the server over FLARE's analytics streaming, and came down with the result
+    assert found["tensorboard"].endswith("tb_events"), found
+    assert sorted(os.listdir(found["tensorboard"])) == ["site-1", "site-2"]
 
     final = json.loads((poc_state / "final_metrics.json").read_text())
     assert final["model"] == os.path.abspath(found["global_model"]) and final["split"] == "test" and final["n"] > 0

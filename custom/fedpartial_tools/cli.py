@@ -1,4 +1,4 @@
-"""Command line: ``python -m fedpartial {split,import,simulate,evaluate,package-job,synthetic} ...``
+"""Command line: ``python -m fedpartial {split,import,simulate,evaluate,package-job,synthetic,jobs} ...``
 (``import {dicom,images,nifti}``: a site's own data + label CSV -> site file)."""
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def format_evaluation(out: dict, meta: dict) -> str:
     """The short human-readable report of ``evaluate`` (``--json`` prints ``out`` itself).
 
     Args:
-        out: :func:`fedpartial.evaluation.evaluate_data`'s result plus ``model``.
+        out: :func:`fedpartial_tools.evaluate.evaluate_data`'s result plus ``model``.
         meta: the model's meta (task, classes, input size for the header).
     """
     seg = meta["task"] == "segmentation"
@@ -226,8 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_throughput_parser(sub)
     from fedpartial_tools.importer import add_import_parser
+    from fedpartial_tools.jobspec import add_jobs_parser
 
     add_import_parser(sub)
+    add_jobs_parser(sub)
     return p
 
 

@@ -273,7 +273,8 @@ def run_job(session, job_dir: str, out_dir: str, timeout: float = 0.0, poll: flo
 def find_results(result_dir: str) -> Dict[str, Optional[str]]:
     """Paths of the fedpartial outputs inside a downloaded job (``None`` where absent): the
     server's ``global_model.pt``, ``best_global_model.pt``, ``metrics.json``, cross-site
-    evaluation ``cross_val_results.json`` and TensorBoard folders (server side)."""
+    evaluation ``cross_val_results.json``, the TensorBoard folder (``tb_events``: every site's
+    curves as streamed to the server) and the server log."""
 
     def first(pattern):
         hits = sorted(glob.glob(os.path.join(result_dir, "**", pattern), recursive=True), key=len)
@@ -281,9 +282,10 @@ def find_results(result_dir: str) -> Dict[str, Optional[str]]:
 
     tb = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(result_dir, "**", "events.out.tfevents.*"),
                                                           recursive=True)})
+    streamed = sorted(glob.glob(os.path.join(result_dir, "**", "tb_events"), recursive=True), key=len)
     return {"global_model": first("global_model.pt"), "best_global_model": first("best_global_model.pt"),
             "metrics": first("metrics.json"), "cross_site_val": first("cross_val_results.json"),
-            "tensorboard": tb[0] if tb else None, "server_log": first("log.txt")}
+            "tensorboard": streamed[0] if streamed else (tb[0] if tb else None), "server_log": first("log.txt")}
 
 
 def set_resource_spec(job_dir: str, sites: Sequence[str], gpus: int, gpu_mem_gib: float = 0) -> dict:

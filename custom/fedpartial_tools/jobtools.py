@@ -83,6 +83,9 @@ def apply_overrides(configs: Dict[str, dict], overrides: Sequence[str]) -> None:
         hit = False
         for side in sides:
             for args in _arg_dicts(configs[side]):
+                if args is not configs[side] and len(path) == 1 and args.get(path[0]) == "{" + path[0] + "}" \
+                        and path[0] in configs[side]:
+                    continue  # "num_rounds": "{num_rounds}" follows the top-level variable this item sets
                 if _set_path(args, path, value, create=False):
                     hit = True
             if not hit and create:
@@ -119,7 +122,7 @@ def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_
     apply_overrides(configs, sets)
     for side, p in paths.items():
         with open(p, "w") as f:
-            json.dump(configs[side], f, indent=2)
+            f.write(json.dumps(configs[side], indent=2) + "\n")
     meta_path = os.path.join(out_dir, "meta.json")
     meta = json.load(open(meta_path))
     if name:
@@ -127,7 +130,7 @@ def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_
     if "min_clients" in configs["server"]:
         meta["min_clients"] = configs["server"]["min_clients"]
     with open(meta_path, "w") as f:
-        json.dump(meta, f, indent=2)
+        f.write(json.dumps(meta, indent=2) + "\n")
     if with_code:
         for app in glob.glob(os.path.join(out_dir, "*", "config")):
             copy_runtime(os.path.join(os.path.dirname(app), "custom"))
@@ -331,6 +334,10 @@ def collect_results(sim_ws: str, workspace: str, rc: int, seconds: float, log=pr
     shutil.rmtree(tb_out, ignore_errors=True)
     for tb in glob.glob(os.path.join(sim_ws, "*", "*", "tb")):
         shutil.copytree(tb, tb_out, dirs_exist_ok=True)
+    # what the sites streamed to the server (TBAnalyticsReceiver): one folder per site
+    streamed = os.path.join(run_dir, "tb_events")
+    if os.path.isdir(streamed):
+        shutil.copytree(streamed, os.path.join(workspace, "tb_server"), dirs_exist_ok=True)
     summary = {"exit_code": rc, "seconds": round(seconds, 1), "workspace": workspace, "errors": errors}
     log(f"simulation finished in {seconds:.0f} s (exit {rc}); results in {workspace}")
     return summary

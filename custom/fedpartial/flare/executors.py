@@ -111,6 +111,10 @@ class FedPartialExecutor(Executor):
         key_metric: validation metric reported to the server for best-model selection.
         state_dir: where per-site state lives; empty = ``<site workspace>/fedpartial_state/<job id>``.
         tensorboard: write per-round metrics as TensorBoard events in the site's run folder.
+        analytics_writer: component id of an NVFlare analytics writer (``TBWriter``) that streams
+            the same per-round scalars to the server (with ``ConvertToFedEvent`` on the site and
+            ``TBAnalyticsReceiver`` on the server, every site's curves land in the server's
+            ``tb_events/<site>``); "" = local files only.
         train_task_name / submit_model_task_name / validate_task_name: FLARE task names.
     """
 
@@ -119,7 +123,8 @@ class FedPartialExecutor(Executor):
                  device: str = "auto", seed: int = 0, key_metric: str = "auc", state_dir: str = "",
                  tensorboard: bool = True, train_task_name: str = AppConstants.TASK_TRAIN,
                  submit_model_task_name: str = AppConstants.TASK_SUBMIT_MODEL,
-                 validate_task_name: str = AppConstants.TASK_VALIDATION, memory_format: str = "contiguous"):
+                 validate_task_name: str = AppConstants.TASK_VALIDATION, memory_format: str = "contiguous",
+                 analytics_writer: str = ""):
         super().__init__()
         self.memory_format = check_memory_format(memory_format)  # at job load, not at the first task
         self.rule_path, self.rule_args = rule, dict(rule_args or {})
@@ -127,6 +132,8 @@ class FedPartialExecutor(Executor):
         self.data_root, self.data_file, self.reference_file = data_root, data_file, reference_file
         self.device_name, self.seed, self.key_metric = device, int(seed), key_metric
         self.state_dir, self.tensorboard = state_dir, tensorboard
+        self.analytics_writer_id, self.analytics, self._analytics_failed = str(analytics_writer or ""), None, False
+        self._log = self.logger.warning
         self.train_task_name, self.submit_model_task_name = train_task_name, submit_model_task_name
         self.validate_task_name = validate_task_name
         self.site = None
@@ -172,6 +179,12 @@ class FedPartialExecutor(Executor):
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=os.path.join(run_dir, "tb", self.site))
+        if self.analytics_writer_id:
+            self.analytics = engine.get_component(self.analytics_writer_id)
+            if self.analytics is None or not hasattr(self.analytics, "add_scalar"):
+                raise ValueError(f"analytics_writer '{self.analytics_writer_id}' is not a component of the client "
+                                 f"config with add_scalar (e.g. nvflare.app_opt.tracking.tb.tb_writer.TBWriter)")
+        self._log = lambda msg: self.log_warning(fl_ctx, msg)
         self.model = place_model(build_model_from_settings(self.settings), self.device, self.memory_format)
         self.rule = build_rule(self.rule_path, self.rule_args)
         self._abort_signal = None
@@ -188,8 +201,16 @@ class FedPartialExecutor(Executor):
         return bool(self._abort_signal is not None and self._abort_signal.triggered)
 
     def _add_scalar(self, tag, value, step):
-        if self.writer is not None and value is not None and np.isfinite(value):
+        if value is None or not np.isfinite(value):
+            return
+        if self.writer is not None:
             self.writer.add_scalar(tag, float(value), step)
+        if self.analytics is not None and not self._analytics_failed:
+            try:
+                self.analytics.add_scalar(tag, float(value), global_step=int(step))
+            except Exception as e:  # the curves are a convenience: never fail a round over them
+                self._analytics_failed = True
+                self._log(f"streaming metrics to the server stopped: {type(e).__name__}: {e}")
 
     # ---- tasks ----------------------------------------------------------------------------
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
