@@ -9,7 +9,8 @@ import torch
 from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext, SiteUpdate
 from fedpartial.algorithms.fedmlp import (FedMLPClient, FedMLPServer, average_prototypes, class_prototypes,
                                           consistency_loss, global_learning_degree, learning_degree, logit_adjustment,
-                                          positive_rates, prototype_scores, select_tags, wpc_loss)
+                                          positive_rates, positive_tag_budget, prototype_scores, select_tags,
+                                          wpc_loss, class_prevalence)
 from fedpartial.data.types import DataError, Dataset, Split
 from fedpartial.models import build_model
 from fedpartial.training.common import predict
@@ -113,6 +114,24 @@ def test_rank_based_tagging_and_residuals():
     assert pos2.sum().item() == 0
     # paper default T0 = 0.5 %: floor(0.005 * 6) = 0 -> nothing on a tiny site
     assert select_tags(z, candidate, [0.005], [0.01])[0].sum().item() == 0
+    # a cap of 1 new positive keeps only the smallest Z (idx 5, -0.8) of the 2 the rank rule picks
+    _, capped = select_tags(z, candidate, [0.5], [0.5], max_pos=[1])
+    assert torch.nonzero(capped[:, 0]).flatten().tolist() == [5]
+    assert select_tags(z, candidate, [0.5], [0.5], max_pos=[0])[1].sum().item() == 0
+
+
+def test_prevalence_from_annotating_sites_and_the_positive_tag_budget():
+    # class 0: site A 3 pos / 27 neg, site B 1 pos / 9 neg -> 4 / 40 = 0.1
+    # class 1: only site B annotates it (A's counts are ignored): 5 / (5 + 15) = 0.25
+    # class 2: annotated nowhere -> unknown (-1)
+    prevalence = class_prevalence([np.array([3, 7, 0]), np.array([1, 5, 0])], [np.array([27, 1, 0]), np.array([9, 15, 0])],
+                                  [np.array([True, False, False]), np.array([True, True, False])])
+    np.testing.assert_allclose(prevalence, [0.1, 0.25, -1.0])
+    # a site of 50 samples expects 5 positives of class 0 and 12.5 -> 12 (round half to even) of class 1;
+    # it holds 2 and 12 positive tags: 3 and 0 more; class 2 unknown: no cap
+    budget = positive_tag_budget(prevalence, 50, np.array([2, 12, 40]))
+    assert budget[:2].tolist() == [3, 0] and budget[2] > 10**6
+    assert positive_tag_budget(prevalence, 50, np.array([0, 0, 0]), scale=2.0)[:2].tolist() == [10, 25]
 
 
 # ---------------------------------------------------------------------------------------------

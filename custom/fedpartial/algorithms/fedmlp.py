@@ -39,6 +39,13 @@ them out), each switchable (``use_wpc``, ``use_adaptive_threshold``, ``use_cr``;
 (d_c for c in AC_k, averaged over S_c). Prototypes and Z use un-augmented images in eval mode
 (the reference uses one augmented view), so that they are repeatable.
 
+Option beyond the paper (``positive_tag_cap="prevalence"``, off in the paper setting): the rank
+rule tags a fixed share of the residual entries as positive whatever the class's prevalence, so on
+rare classes (CT-ICH subtypes: a few % of the slices) most positive tags are wrong. With the cap a
+site never holds more positive tags of a class than the class's prevalence at the annotating sites
+(from the positive / negative prototype counts they already send) times its size; the server
+sends ``prevalence`` with the global prototypes.
+
 Departures from the paper:
     * The WPC loss is a mean over the entries used (annotated + tagged) in the batch, not the
       paper's sum / C: its denominator grows as MLD tags entries, so a tag does not raise the loss
@@ -63,6 +70,9 @@ from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, DataError
 from fedpartial.training.common import (batch_indices, images_to_tensor, masked_bce_with_logits, predict,
                                         round_seed, seed_everything)
+
+#: ``positive_tag_cap`` choices: the paper's rank rule alone, or capped by the class's prevalence
+POSITIVE_TAG_CAPS = ("none", "prevalence")
 
 #: keys of the per-site statistics (sent from the end of warm-up on)
 STAT_KEYS = ("prototypes_neg", "prototypes_pos", "prototype_counts_neg", "prototype_counts_pos", "learning_degree",
@@ -196,7 +206,8 @@ def prototype_scores(features: torch.Tensor, proto_neg: torch.Tensor, proto_pos:
     return f @ p0.T - f @ p1.T
 
 
-def select_tags(z: torch.Tensor, candidate: torch.Tensor, tau_neg, tau_pos) -> Tuple[torch.Tensor, torch.Tensor]:
+def select_tags(z: torch.Tensor, candidate: torch.Tensor, tau_neg, tau_pos, max_pos=None
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rank-based tagging of paper Eq. 8-9, per class.
 
     Among the candidate entries of class c with Z >= 0, the ``floor(tau_neg[c] * count)`` with
@@ -209,6 +220,8 @@ def select_tags(z: torch.Tensor, candidate: torch.Tensor, tau_neg, tau_pos) -> T
             global prototype.
         tau_neg: ``(C,)`` or scalar fraction tau0.
         tau_pos: ``(C,)`` or scalar fraction tau1.
+        max_pos: ``(C,)`` most new positives per class this round (None = no cap; see
+            :func:`positive_tag_budget`).
 
     Returns:
         ``(new_neg, new_pos)`` bool ``(N, C)``.
@@ -225,6 +238,8 @@ def select_tags(z: torch.Tensor, candidate: torch.Tensor, tau_neg, tau_pos) -> T
         negative = torch.nonzero(candidate[:, j] & (z[:, j] < 0)).flatten()
         k0 = int(np.floor(float(tau_neg[j]) * len(nonneg) + 1e-9))
         k1 = int(np.floor(float(tau_pos[j]) * len(negative) + 1e-9))
+        if max_pos is not None:
+            k1 = min(k1, max(int(max_pos[j]), 0))
         if k0 > 0:
             order = torch.sort(-z[nonneg, j], stable=True).indices  # largest Z first
             new_neg[nonneg[order[:k0]], j] = True
@@ -232,6 +247,43 @@ def select_tags(z: torch.Tensor, candidate: torch.Tensor, tau_neg, tau_pos) -> T
             order = torch.sort(z[negative, j], stable=True).indices  # smallest Z first
             new_pos[negative[order[:k1]], j] = True
     return new_neg, new_pos
+
+
+def class_prevalence(pos_counts: List[np.ndarray], neg_counts: List[np.ndarray], annotated: List[np.ndarray]
+                     ) -> np.ndarray:
+    """Per class, the share of positives among the annotated samples of the sites that annotate
+    it: ``sum_k pos_k[c] / sum_k (pos_k[c] + neg_k[c])`` over k with ``annotated_k[c]``; -1 for a
+    class no site reports (0 samples; a number, since global statistics travel as message meta).
+
+    Args:
+        pos_counts / neg_counts: per site ``(C,)`` annotated positive / negative counts (the
+            prototype counts a site sends; withheld rows count 0).
+        annotated: per site ``(C,)`` bool.
+    """
+    pos = sum(np.where(a, np.asarray(p, np.float64), 0.0) for p, a in zip(pos_counts, annotated))
+    total = pos + sum(np.where(a, np.asarray(n, np.float64), 0.0) for n, a in zip(neg_counts, annotated))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(total > 0, pos / np.maximum(total, 1e-12), -1.0)
+
+
+def positive_tag_budget(prevalence: np.ndarray, num_samples: int, tagged_pos: np.ndarray, scale: float = 1.0
+                        ) -> np.ndarray:
+    """How many more positive tags each class may get at a site: the positives its size and the
+    class's prevalence at the annotating sites lead one to expect, ``round(scale * prevalence_c *
+    N)``, minus the positive tags it already has (never below 0; no cap where the prevalence is
+    unknown).
+
+    Args:
+        prevalence: ``(C,)`` from :func:`class_prevalence` (< 0 = unknown).
+        num_samples: N, the site's training samples.
+        tagged_pos: ``(C,)`` positive tags the site holds.
+        scale: expected positives x ``scale`` (1 = as many as the prevalence predicts).
+    """
+    prevalence = np.asarray(prevalence, dtype=np.float64)
+    known = np.isfinite(prevalence) & (prevalence >= 0)
+    expected = np.rint(float(scale) * np.where(known, prevalence, 0.0) * int(num_samples))
+    budget = np.maximum(expected - np.asarray(tagged_pos, dtype=np.float64), 0)
+    return np.where(known, budget, np.iinfo(np.int32).max).astype(np.int64)
 
 
 def average_prototypes(prototypes: List[np.ndarray], counts: List[np.ndarray], annotated: List[np.ndarray],
@@ -328,6 +380,10 @@ class FedMLPClient(ClientRule):
         use_wpc: logit-adjusted WPC loss (off = plain BCE on annotated + tagged entries).
         use_cr: consistency regularisation with the global model.
         use_adaptive_threshold: tau = d_c^G * T (off = fixed T0 / T1 from the server).
+        positive_tag_cap: ``none`` (paper: the rank rule alone) or ``prevalence``: a site never
+            holds more positive tags of a class than ``positive_tag_scale`` x the class's
+            prevalence at the annotating sites x its size (see :func:`positive_tag_budget`).
+        positive_tag_scale: the cap's factor (1 = as many as the prevalence predicts).
         prediction_batch_size: batch size of the no-gradient passes (features, probabilities).
     """
 
@@ -337,7 +393,8 @@ class FedMLPClient(ClientRule):
                  betas=(0.9, 0.999), batch_size: int = 32, local_epochs: int = 1, num_views: int = 2,
                  augmentation: str = "weak", low: float = 0.3, high: float = 0.7, la_tau: float = 1.0,
                  la_eps: float = 1e-3, cr_weight: float = 1.0, use_mld: bool = True, use_wpc: bool = True,
-                 use_cr: bool = True, use_adaptive_threshold: bool = True, prediction_batch_size: int = 256):
+                 use_cr: bool = True, use_adaptive_threshold: bool = True, prediction_batch_size: int = 256,
+                 positive_tag_cap: str = "none", positive_tag_scale: float = 1.0):
         if int(warmup_rounds) < 1:
             raise ValueError(f"FedMLP warmup_rounds must be >= 1 (prototypes come from a warmed-up model), "
                              f"got {warmup_rounds}")
@@ -356,6 +413,11 @@ class FedMLPClient(ClientRule):
         self.use_mld, self.use_wpc, self.use_cr = bool(use_mld), bool(use_wpc), bool(use_cr)
         self.use_adaptive_threshold = bool(use_adaptive_threshold)
         self.prediction_batch_size = int(prediction_batch_size)
+        if positive_tag_cap not in POSITIVE_TAG_CAPS:
+            raise ValueError(f"FedMLP positive_tag_cap '{positive_tag_cap}' unknown; choose one of {POSITIVE_TAG_CAPS}")
+        if float(positive_tag_scale) <= 0:
+            raise ValueError(f"FedMLP positive_tag_scale must be > 0, got {positive_tag_scale}")
+        self.positive_tag_cap, self.positive_tag_scale = positive_tag_cap, float(positive_tag_scale)
 
     # -- set-up and persistent state -------------------------------------------------------------
     def setup(self, ctx) -> None:
@@ -421,7 +483,11 @@ class FedMLPClient(ClientRule):
             z = prototype_scores(feats, torch.as_tensor(np.asarray(gs["prototypes_neg"])),
                                  torch.as_tensor(np.asarray(gs["prototypes_pos"])))
             tau0, tau1 = self._thresholds(gs, c)
-            new_neg, new_pos = select_tags(z, torch.from_numpy(candidate), tau0, tau1)
+            max_pos = None
+            if self.positive_tag_cap == "prevalence" and "prevalence" in gs:
+                max_pos = positive_tag_budget(np.asarray(gs["prevalence"], dtype=np.float64), self.mask_np.shape[0],
+                                              (self.tags == 1).sum(axis=0), self.positive_tag_scale)
+            new_neg, new_pos = select_tags(z, torch.from_numpy(candidate), tau0, tau1, max_pos)
             new_neg, new_pos = new_neg.numpy(), new_pos.numpy()
             self.tags[new_neg] = 0
             self.tags[new_pos] = 1
@@ -621,6 +687,8 @@ class FedMLPServer(ServerRule):
                                               annotated, sizes, self.min_prototype_samples)
         valid = valid_neg & valid_pos  # Z needs both prototypes
         degree = global_learning_degree([u.stats["learning_degree"] for u in with_stats], annotated, sizes)
+        prevalence = class_prevalence([u.stats["prototype_counts_pos"] for u in with_stats],
+                                      [u.stats["prototype_counts_neg"] for u in with_stats], annotated)
         invalid = [int(j) for j in np.flatnonzero(~valid)]
         if invalid:
             ctx.log(f"FedMLP round {ctx.round}: no valid global prototype pair for classes {invalid}; "
@@ -629,6 +697,6 @@ class FedMLPServer(ServerRule):
             "stage": 2, "prototypes_neg": p_neg.astype(np.float32), "prototypes_pos": p_pos.astype(np.float32),
             "prototype_valid": valid, "learning_degree": degree,
             "tau0": degree * self.t0, "tau1": degree * self.t1, "t0": self.t0, "t1": self.t1,
-            "prototype_sites": len(with_stats),
+            "prototype_sites": len(with_stats), "prevalence": prevalence,
         }
         return weights, global_stats
