@@ -386,3 +386,38 @@ def test_segmentation_client_trains_tiny_unet(tmp_path):
     fedia.setup(make_ctx(tmp_path / "f", masks))
     stats = fedia.train_round(model, RoundInput(round=0, num_rounds=3)).stats
     assert np.isfinite(stats["mean_loss"]) and stats["completeness_ready"] == 0
+
+
+def test_lesion_batches_fill_each_batch_with_lesion_images():
+    from fedpartial.algorithms.segmentation import lesion_batches
+
+    has_lesion = np.zeros(10, bool)
+    has_lesion[[3, 7]] = True  # 2 of 10 images hold a lesion
+    rng = np.random.default_rng(0)
+    batches = list(lesion_batches(has_lesion, 4, rng, lesion_fraction=0.5))
+    assert [len(b) for b in batches] == [4, 4, 2]  # an epoch's steps, the last batch smaller
+    # ceil(0.5 * 4) = 2 and ceil(0.5 * 2) = 1 lesion images at least per batch
+    assert [int(has_lesion[b].sum()) >= need for b, need in zip(batches, [2, 2, 1])] == [True] * 3
+    # fraction 0 = one plain permutation of all images
+    plain = np.concatenate(list(lesion_batches(has_lesion, 4, np.random.default_rng(0), 0.0)))
+    assert sorted(plain.tolist()) == list(range(10))
+    # a site without lesions cannot oversample: plain batches
+    assert sorted(np.concatenate(list(lesion_batches(np.zeros(5, bool), 2, rng, 1.0))).tolist()) == list(range(5))
+
+
+@pytest.mark.parametrize("kind", ["dice", "dice_ce", "dice_focal"])
+def test_segmentation_losses_punish_false_positives_on_an_empty_image(kind):
+    from fedpartial.algorithms.segmentation import make_dice_loss
+
+    loss = make_dice_loss(kind=kind)
+    empty = torch.zeros(1, 1, 8, 8)
+    quiet, loud = torch.full((1, 1, 8, 8), -6.0), torch.full((1, 1, 8, 8), 6.0)
+    if kind == "dice":
+        # soft Dice of an empty target: 1 - smooth / (sum p + smooth) -> close to 1 for any p > 0
+        # (smooth_dr = 1e-5), so it barely tells a quiet prediction from one marking everything
+        assert float(loss(loud, empty)) - float(loss(quiet, empty)) < 0.01
+    else:
+        # the pixel-wise term adds about log(1 + e^6) ~ 6 (CE) per false-positive pixel
+        assert float(loss(loud, empty)) - float(loss(quiet, empty)) > 1.0
+    with pytest.raises(ValueError, match="unknown"):
+        make_dice_loss(kind="bce")

@@ -69,3 +69,24 @@ def test_segmentation_instances_empty_and_touching():
     assert any(c < n for c, n in zip(components, ids))  # some lesions touch: fewer components than ids
     lesion = train.labels > 0
     assert train.images[lesion].mean() > train.images[~lesion].mean() + 80  # lesions are bright
+
+
+def test_small_lesions_are_sparse_small_and_whole_lesions_can_be_dropped():
+    from scipy import ndimage
+
+    from fedpartial_tools.partition import partition
+    from fedpartial_tools.synthetic import make_small_lesions
+
+    data = make_small_lesions(n_train=60, n_val=4, n_test=4, size=96, seed=1)
+    masks = np.asarray(data.splits["train"].labels)
+    assert masks.shape == (60, 96, 96) and data.task == "segmentation"
+    assert (masks > 0).mean() < 0.01  # well under 1 % of the pixels
+    with_lesion = (masks > 0).reshape(60, -1).any(axis=1)
+    assert 0.2 < with_lesion.mean() < 0.6  # most slices empty
+    sizes = [int((lab == j).sum()) for m in masks for lab, k in [ndimage.label(m > 0, np.ones((3, 3)))]
+             for j in range(1, k + 1)]
+    assert 2 <= min(sizes) and np.median(sizes) < 80  # a few to a hundred pixels
+    sites, refs, _ = partition(data, "incomplete-masks", sites=2, seed=0, completeness=[0.5, 1.0])
+    kept = sum(int(np.asarray(s.splits["train"].labels).astype(bool).sum()) for s in sites)
+    full = sum(int(np.asarray(r.splits["train"].labels).astype(bool).sum()) for r in refs)
+    assert 0 < kept < full

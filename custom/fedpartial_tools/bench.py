@@ -49,6 +49,9 @@ class Suite:
     variants: Dict[str, List[str]] = field(default_factory=dict)
     # profile -> another file of the same data (e.g. the GPU profile's larger images)
     datasets: Dict[str, str] = field(default_factory=dict)
+    # a function of fedpartial_tools.synthetic that makes ``dataset`` (seed 0) when the data folder
+    # lacks it: written once into <out>/_data
+    generator: str = ""
 
     def dataset_for(self, profile: str) -> str:
         """The data file the ``profile`` runs on."""
@@ -157,6 +160,23 @@ def matched_sets(suite: "Suite", job: str, sets: Sequence[str] = ()) -> List[str
     return out
 
 
+# Small sparse lesions (issue 18): MS-like slices made by fedpartial_tools.synthetic (128 px native,
+# lesions 2-12 px across, 0.2 % of the pixels, 6 of 10 slices empty), the FedIA paper's site
+# completeness, training at native resolution. lesions-m*: the paper's plain Dice loss and uniform
+# batches for every job; lesions-dicece-m*: Dice + cross-entropy and half of each batch from
+# slices with a lesion, for every job (a setting of the segmentation path, not of one method).
+_LESION_CPU = ["num_rounds=30", "model.input_size=[128,128]", "rule_args.lr=0.001"]
+_LESION_CE = ["rule_args.loss=dice_ce", "rule_args.lesion_fraction=0.5"]
+for _m in (2, 3):
+    for _name, _extra in ((f"lesions-m{_m}", []), (f"lesions-dicece-m{_m}", _LESION_CE)):
+        SUITES[_name] = Suite(
+            "small_lesions_128.npz", "incomplete-masks",
+            {"completeness": [(20 * k - 10 * _m + 40) / 100 for k in range(4)]}, 4, "fedia", "fedavg_seg",
+            "fedavg_seg_full", metrics=["dice_pooled", "dice_per_image", "dice", "iou"],
+            generator="make_small_lesions",
+            overrides={"cpu": _LESION_CPU + _extra, "gpu": ["num_rounds=100", "model.input_size=[128,128]"] + _extra})
+
+
 def suites_of(rows: Sequence[dict]) -> List[str]:
     """The suites present in ``rows``, in the order of :data:`SUITES` (so that a re-run suite keeps
     its place in the reports)."""
@@ -217,9 +237,7 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
     from fedpartial_tools.jobtools import dataset_overrides, simulate
 
     suite = SUITES[name]
-    source = os.path.join(data_dir, suite.dataset_for(profile))
-    if not os.path.isfile(source):
-        raise FileNotFoundError(f"suite '{name}' needs '{source}' (see ../shared/data/README.md)")
+    source = suite_source(suite, profile, data_dir, out_dir)
     if any(item.split("=", 1)[0].split(".")[-1] == "reference_file" for item in extra):
         raise ValueError("--set reference_file=... would reach the baselines too; use --diagnostics, which sets it "
                          "for the method job only")
@@ -301,6 +319,14 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds) -> dict:
     model, meta, data = _load_for_eval(ws, load_npz(source), device)
     test = data.splits["test"]
     metrics = evaluate_split(model, test, data.task, data.class_names, meta["normalisation"], device)
+    if data.task == "segmentation" and any(k in suite.metrics for k in ("dice_pooled", "dice_per_image")):
+        from fedpartial.evaluation import predict_split
+        from fedpartial.metrics import overlap_counts
+        from fedpartial.metrics.segmentation import overlap_summary
+
+        probs = predict_split(model, test, data.task, meta["normalisation"], device)
+        # empty-truth-and-prediction slices left out of the per-image mean, pooled over all pixels
+        metrics.update(overlap_summary(**overlap_counts(probs > 0.5, np.asarray(test.labels) > 0)))
     row = {"suite": name, "method": job, "dataset": os.path.basename(source), "scenario": suite.scenario,
            "split_options": json.dumps(suite.split_options), "seed": seed,
            "rounds": len(json.load(open(os.path.join(ws, "metrics.json")))["rounds"]),
@@ -1048,7 +1074,28 @@ def _split_source(out_dir: str, name: str, seed: int, data_dir: str) -> str:
     """The data file a seed's split was made from (the suite's CPU file when it does not say)."""
     summary = os.path.join(out_dir, name, f"seed{seed}", "sites", "split_summary.json")
     made_from = json.load(open(summary)).get("source") if os.path.isfile(summary) else None
-    return os.path.join(data_dir, os.path.basename(made_from or SUITES[name].dataset))
+    if made_from and os.path.isfile(made_from):
+        return made_from
+    return suite_source(SUITES[name], "cpu", data_dir, out_dir)
+
+
+def suite_source(suite: "Suite", profile: str, data_dir: str, out_dir: str) -> str:
+    """The source file a suite runs on: in ``data_dir``, or (a suite with a ``generator``) made
+    once into ``<out_dir>/_data``."""
+    name = suite.dataset_for(profile)
+    source = os.path.join(data_dir, name)
+    if os.path.isfile(source):
+        return source
+    if not suite.generator:
+        raise FileNotFoundError(f"suite needs '{source}' (see ../shared/data/README.md)")
+    from fedpartial.data.npz import save_npz
+    from fedpartial_tools import synthetic
+
+    made = os.path.join(out_dir, "_data", name)
+    if not os.path.isfile(made):
+        os.makedirs(os.path.dirname(made), exist_ok=True)
+        save_npz(getattr(synthetic, suite.generator)(seed=0), made)
+    return made
 
 
 def _readme_and_copies(args) -> None:

@@ -92,3 +92,56 @@ def make_segmentation(n_train: int = 64, n_val: int = 16, n_test: int = 16, size
             images = np.repeat(images[..., None], 3, axis=-1)
         splits[name] = Split(images, masks, None, np.arange(n), None)
     return Dataset(SEGMENTATION, ["lesion"], splits, source="synthetic")
+
+
+def make_small_lesions(n_train: int = 240, n_val: int = 40, n_test: int = 80, size: int = 128,
+                       lesion_image_fraction: float = 0.4, max_lesions: int = 4, diameter=(2.0, 12.0),
+                       contrast: float = 0.35, seed: int = 0) -> Dataset:
+    """MS-like small-lesion slices: a textured oval "brain" on a dark background; a minority of
+    slices hold 1..``max_lesions`` small hyperintense blobs (``diameter`` px across, soft edges,
+    inside the brain), the rest none. Lesions cover well under 1 % of the pixels, as FLAIR MS
+    lesions do; instance-id masks, so ``incomplete-masks`` removes whole lesions.
+
+    Args:
+        n_train / n_val / n_test: split sizes.
+        size: image side in pixels (native resolution of the set).
+        lesion_image_fraction: share of slices with at least one lesion.
+        max_lesions: most lesions on a slice.
+        diameter: (smallest, largest) lesion diameter in pixels.
+        contrast: lesion brightness above the local tissue (image scale 0..1).
+        seed: random seed.
+    """
+    from scipy import ndimage
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float64)
+    splits = {}
+    for name, n in (("train", n_train), ("val", n_val), ("test", n_test)):
+        images = np.zeros((n, size, size), np.uint8)
+        masks = np.zeros((n, size, size), np.uint16)
+        for i in range(n):
+            # brain: an oval of a random size and position, textured by smoothed noise (gyri-like)
+            ry, rx = size * rng.uniform(0.36, 0.44), size * rng.uniform(0.28, 0.36)
+            cy, cx = size / 2 + rng.uniform(-0.04, 0.04, 2) * size
+            inside = ((yy - cy) / ry) ** 2 + ((xx - cx) / rx) ** 2
+            brain = 1.0 / (1.0 + np.exp((inside - 1.0) * 25.0))
+            texture = ndimage.gaussian_filter(rng.normal(0, 1, (size, size)), sigma=size / 40)
+            texture /= texture.std() + 1e-9
+            tissue = brain * (0.42 + 0.06 * texture)
+            image = tissue.copy()
+            if rng.random() < lesion_image_fraction:
+                for lesion in range(1, int(rng.integers(1, max_lesions + 1)) + 1):
+                    d = rng.uniform(*diameter)
+                    for _ in range(20):  # a centre well inside the brain
+                        ly, lx = rng.uniform(0, size, 2)
+                        if ((ly - cy) / ry) ** 2 + ((lx - cx) / rx) ** 2 < 0.6:
+                            break
+                    sy, sx = d / 2 * rng.uniform(0.7, 1.3), d / 2 * rng.uniform(0.7, 1.3)
+                    dist = ((yy - ly) / sy) ** 2 + ((xx - lx) / sx) ** 2
+                    blob = np.exp(-np.maximum(dist - 0.6, 0) * 3.0)  # flat top, soft rim
+                    image += contrast * rng.uniform(0.8, 1.2) * blob
+                    masks[i][(dist <= 1.0) & (masks[i] == 0)] = lesion
+            image += rng.normal(0, 0.03, image.shape)
+            images[i] = np.clip(image * 255, 0, 255).astype(np.uint8)
+        splits[name] = Split(images, masks, None, np.arange(n), None)
+    return Dataset(SEGMENTATION, ["lesion"], splits, source="synthetic small lesions")

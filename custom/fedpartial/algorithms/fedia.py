@@ -200,8 +200,9 @@ class FedIAClient(SegmentationSupervisedClient):
         completeness_floor: lower bound of â_k (keeps it > 0 for a site without annotated lesions).
         completeness_cap: optional upper bound of â_k (None = no clipping, as in the paper).
         lr, betas, weight_decay, batch_size, local_epochs, prob_threshold, dice_batch,
-        predict_batch_size: as in :class:`SegmentationSupervisedClient` (paper: Adam 1e-4,
-            (0.9, 0.99), batch 4, one epoch).
+        predict_batch_size, loss, lesion_fraction: as in :class:`SegmentationSupervisedClient`
+            (paper: Adam 1e-4, (0.9, 0.99), batch 4, one epoch, Dice loss, uniform batches; with
+            another loss the site's mean loss ℓ_k of eq. 5 is that loss).
     """
 
     task_kind = "segmentation"
@@ -211,10 +212,10 @@ class FedIAClient(SegmentationSupervisedClient):
                  completeness_floor: float = 1e-3, completeness_cap: Optional[float] = None,
                  lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, batch_size: int = 4,
                  local_epochs: int = 1, prob_threshold: float = 0.5, dice_batch: bool = False,
-                 predict_batch_size: int = 16):
+                 predict_batch_size: int = 16, loss: str = "dice", lesion_fraction: float = 0.0):
         super().__init__(lr=lr, betas=betas, weight_decay=weight_decay, batch_size=batch_size,
                          local_epochs=local_epochs, prob_threshold=prob_threshold, dice_batch=dice_batch,
-                         predict_batch_size=predict_batch_size)
+                         predict_batch_size=predict_batch_size, loss=loss, lesion_fraction=lesion_fraction)
         if int(warmup_rounds) < 2:
             raise ValueError(f"warmup_rounds must be >= 2 (the IoU trend needs two points), got {warmup_rounds}")
         if not 0.0 < float(correction_threshold) < 1.0:

@@ -55,21 +55,63 @@ def make_adam(model: torch.nn.Module, lr: float, betas, weight_decay: float) -> 
     return torch.optim.Adam(model.parameters(), lr=float(lr), betas=tuple(betas), weight_decay=float(weight_decay))
 
 
-def make_dice_loss(batch: bool = False):
-    """MONAI Dice loss on one sigmoid output channel.
+#: ``loss`` choices of the segmentation rules (MONAI losses on one sigmoid channel)
+SEG_LOSSES = ("dice", "dice_ce", "dice_focal")
+
+
+def make_dice_loss(batch: bool = False, kind: str = "dice"):
+    """MONAI segmentation loss on one sigmoid output channel.
+
+    ``dice`` (the FedIA paper): per-image soft Dice, which gives an empty image's prediction
+    almost no gradient, so a model of sparse small lesions may drift to marking much of every
+    image. ``dice_ce`` adds the pixel-wise binary cross-entropy (``DiceCELoss``), ``dice_focal``
+    the focal loss (``DiceFocalLoss``): both penalise every false-positive pixel, on empty images too.
 
     Args:
         batch: False = Dice per image then mean over the batch (MONAI's default); True = one Dice
             over the whole batch.
+        kind: one of :data:`SEG_LOSSES`.
     """
-    from monai.losses import DiceLoss
+    from monai.losses import DiceCELoss, DiceFocalLoss, DiceLoss
 
-    return DiceLoss(sigmoid=True, batch=bool(batch))
+    if kind == "dice":
+        return DiceLoss(sigmoid=True, batch=bool(batch))
+    if kind == "dice_ce":
+        return DiceCELoss(sigmoid=True, batch=bool(batch))
+    if kind == "dice_focal":
+        return DiceFocalLoss(sigmoid=True, batch=bool(batch))
+    raise ValueError(f"segmentation loss '{kind}' unknown; choose one of {SEG_LOSSES}")
+
+
+def lesion_batches(has_lesion: np.ndarray, batch_size: int, rng: np.random.Generator, lesion_fraction: float = 0.0):
+    """Index batches of one epoch (``ceil(N / batch_size)`` steps, the last smaller), with at least
+    ``ceil(lesion_fraction * size)`` images of each batch drawn (with replacement) from the images
+    that hold a lesion; the rest follows a shuffle of all images. ``lesion_fraction`` 0 (or a site
+    without lesions) = a plain shuffle.
+
+    Args:
+        has_lesion: ``(N,)`` bool, the image's mask holds foreground.
+        batch_size: images per step.
+        rng: numpy generator.
+        lesion_fraction: share of each batch taken from the lesion images (0..1).
+    """
+    n = len(has_lesion)
+    lesion_rows = np.flatnonzero(has_lesion)
+    order = rng.permutation(n)
+    for start in range(0, n, int(batch_size)):
+        idx = order[start:start + int(batch_size)]
+        k = int(np.ceil(float(lesion_fraction) * len(idx) - 1e-9)) if len(lesion_rows) else 0
+        short = k - int(has_lesion[idx].sum())
+        if short > 0:  # replace non-lesion images of this batch by lesion images
+            others = np.flatnonzero(~has_lesion[idx])[:short]
+            idx = idx.copy()
+            idx[others] = rng.choice(lesion_rows, size=len(others), replace=True)
+        yield idx
 
 
 def train_dice_epoch(model: torch.nn.Module, images: torch.Tensor, masks: np.ndarray, optimizer: torch.optim.Optimizer,
                      loss_fn: Callable, device: torch.device, batch_size: int, rng: np.random.Generator,
-                     abort: Callable[[], bool] = lambda: False) -> Tuple[float, int]:
+                     abort: Callable[[], bool] = lambda: False, lesion_fraction: float = 0.0) -> Tuple[float, int]:
     """One local epoch of Dice-loss training on ``images`` / ``masks``.
 
     Args:
@@ -82,6 +124,8 @@ def train_dice_epoch(model: torch.nn.Module, images: torch.Tensor, masks: np.nda
         batch_size: images per step (the last, smaller batch is kept).
         rng: numpy generator for the shuffle.
         abort: returns True when the round must stop.
+        lesion_fraction: share of each batch drawn from images with a lesion (:func:`lesion_batches`;
+            0 = a plain shuffle, the paper).
 
     Returns:
         ``(mean_loss, steps)``: the per-image mean training loss (each batch loss weighted by its
@@ -90,7 +134,9 @@ def train_dice_epoch(model: torch.nn.Module, images: torch.Tensor, masks: np.nda
     n = int(images.shape[0])
     model.train()
     total, seen, steps = 0.0, 0, 0
-    for idx in batch_indices(n, int(batch_size), rng, shuffle=True):
+    batches = (lesion_batches(masks.reshape(n, -1).any(axis=1), batch_size, rng, lesion_fraction)
+               if lesion_fraction > 0 else batch_indices(n, int(batch_size), rng, shuffle=True))
+    for idx in batches:
         if abort():
             break
         x = images[idx].to(device, non_blocking=True)
@@ -156,13 +202,21 @@ class SegmentationSupervisedClient(ClientRule):
         prob_threshold: foreground probability above which a pixel is predicted lesion (IoU).
         dice_batch: MONAI ``DiceLoss(batch=...)``: False = per-image Dice averaged.
         predict_batch_size: images per forward pass when predicting.
+        loss: ``dice`` (paper), ``dice_ce`` or ``dice_focal`` (:func:`make_dice_loss`).
+        lesion_fraction: share of each training batch drawn from images with a lesion (0 = paper:
+            uniform; for sparse lesions where most images are empty).
     """
 
     task_kind = "segmentation"
 
     def __init__(self, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, batch_size: int = 4,
                  local_epochs: int = 1, prob_threshold: float = 0.5, dice_batch: bool = False,
-                 predict_batch_size: int = 16):
+                 predict_batch_size: int = 16, loss: str = "dice", lesion_fraction: float = 0.0):
+        if loss not in SEG_LOSSES:
+            raise ValueError(f"segmentation loss '{loss}' unknown; choose one of {SEG_LOSSES}")
+        if not 0.0 <= float(lesion_fraction) <= 1.0:
+            raise ValueError(f"lesion_fraction must be in [0, 1], got {lesion_fraction}")
+        self.loss, self.lesion_fraction = loss, float(lesion_fraction)
         if int(batch_size) < 1 or int(local_epochs) < 1:
             raise ValueError(f"batch_size and local_epochs must be >= 1, got {batch_size} and {local_epochs}")
         if not 0.0 < float(prob_threshold) < 1.0:
@@ -177,7 +231,7 @@ class SegmentationSupervisedClient(ClientRule):
         self.masks = binary_masks(ctx, "train")
         norm = ctx.normalisation
         self.images = images_to_tensor(ctx.data.splits["train"].images, norm["mean"], norm["std"])
-        self.loss_fn = make_dice_loss(self.dice_batch)
+        self.loss_fn = make_dice_loss(self.dice_batch, self.loss)
 
     def round_rng(self, round_index: int) -> np.random.Generator:
         """Seed torch and return the shuffle generator of ``round_index`` (repeatable rounds)."""
@@ -195,7 +249,7 @@ class SegmentationSupervisedClient(ClientRule):
         mean_loss, steps = float("nan"), 0
         for _ in range(self.local_epochs):
             mean_loss, epoch_steps = train_dice_epoch(model, self.images, masks, optimizer, self.loss_fn, device,
-                                                      self.batch_size, rng, self.ctx.abort)
+                                                      self.batch_size, rng, self.ctx.abort, self.lesion_fraction)
             steps += epoch_steps
         iou = iou_score(self.predict(model) > self.prob_threshold, masks)
         return mean_loss, iou, steps
