@@ -456,3 +456,17 @@ def test_every_baseline_runs_with_its_methods_model_and_recipe(profile):
     # the check has teeth: without matching, fedmlp's baselines would run a shallower network
     suite = bench.SUITES["fedmlp-ctich"]
     assert any(s.startswith("model.arch_args=") for s in matched_sets(suite, "fedavg", suite.overrides["cpu"]))
+
+
+def test_shipped_method_jobs_are_the_cpu_profile_of_their_tables():
+    """The README's CPU-profile figures are what the jobs do as shipped: the bench's CPU profile
+    changes nothing on a suite's method job except the departures the suite names, with a reason."""
+    from fedpartial_tools.bench import profile_departures
+
+    for name, suite in bench.SUITES.items():
+        changed = profile_departures(suite, "cpu")
+        undeclared = [k for k in changed if k not in suite.cpu_departures]
+        assert not undeclared, f"{name}: the CPU profile changes {undeclared} of jobs/{suite.method} without a reason"
+        assert all(suite.cpu_departures[k] for k in changed)
+    # the check has teeth: the GPU profile (a bigger network) does change the shipped job
+    assert "model.arch" in profile_departures(bench.SUITES["fedlsm-ham"], "gpu")

@@ -52,6 +52,9 @@ class Suite:
     # a function of fedpartial_tools.synthetic that makes ``dataset`` (seed 0) when the data folder
     # lacks it: written once into <out>/_data
     generator: str = ""
+    # CPU-profile settings that differ from the method job as shipped, each with the reason (every
+    # other CPU-profile setting is already the job's default: the shipped jobs reproduce the tables)
+    cpu_departures: Dict[str, str] = field(default_factory=dict)
 
     def dataset_for(self, profile: str) -> str:
         """The data file the ``profile`` runs on."""
@@ -139,6 +142,17 @@ def job_settings(folder: str, sets: Sequence[str] = ()) -> dict:
             "num_rounds": configs["server"].get("num_rounds")}
 
 
+def profile_departures(suite: "Suite", profile: str = "cpu") -> List[str]:
+    """Settings (``model.<key>``, ``rule_args.<key>``, ``num_rounds``) that ``profile`` changes on
+    the suite's method job as shipped."""
+    shipped, run = job_settings(suite.method), job_settings(suite.method, suite.overrides.get(profile, []))
+    keys = [f"model.{k}" for k in sorted(set(shipped["model"]) | set(run["model"]))
+            if shipped["model"].get(k) != run["model"].get(k)]
+    keys += [f"rule_args.{k}" for k in sorted(set(shipped["rule_args"]) | set(run["rule_args"]))
+             if shipped["rule_args"].get(k) != run["rule_args"].get(k)]
+    return keys + (["num_rounds"] if shipped["num_rounds"] != run["num_rounds"] else [])
+
+
 def matched_sets(suite: "Suite", job: str, sets: Sequence[str] = ()) -> List[str]:
     """``--set`` items giving a baseline ``job`` of ``suite`` its method's model and local recipe
     (:data:`SHARED_MODEL_KEYS`, :data:`SHARED_RULE_KEYS`), after the common ``sets``; ``[]`` for
@@ -174,6 +188,8 @@ for _m in (2, 3):
             {"completeness": [(20 * k - 10 * _m + 40) / 100 for k in range(4)]}, 4, "fedia", "fedavg_seg",
             "fedavg_seg_full", metrics=["dice_pooled", "dice_per_image", "dice", "iou"],
             generator="make_small_lesions",
+            cpu_departures={"model.input_size": "the synthetic lesion set's native 128 px (fedia ships DSB2018's 64 px)",
+                            "rule_args.loss": "the suite's loss", "rule_args.lesion_fraction": "the suite's batches"},
             overrides={"cpu": _LESION_CPU + _extra, "gpu": ["num_rounds=100", "model.input_size=[128,128]"] + _extra})
 
 
