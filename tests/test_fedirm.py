@@ -11,7 +11,7 @@ from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext,
 from fedpartial.algorithms.fedirm import (RELATION_COUNTS, RELATION_MATRIX, RELATION_MULTILABEL, RELATION_VALID,
                                           TEACHER_FILE, FedIRMClient, FedIRMServer, average_relation_matrices,
                                           consistency_loss, mc_dropout_probabilities, ramp_weight, relation_matrix,
-                                          reliable_mask, symmetric_kl)
+                                          reliable_lowest_entropy, reliable_mask, symmetric_kl)
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, Dataset, Split
 from fedpartial.models import build_model
 
@@ -198,6 +198,28 @@ def _updates():
                     RELATION_MULTILABEL: 0})
     c = SiteUpdate("site-3", {"w": np.array([6.0, 6.0])}, 20, {})  # unlabelled: weights only
     return [a, b, c]
+
+
+def test_unlabelled_weight_scales_the_unlabelled_sites_in_the_weight_average():
+    # labelled 10 x 1 and 10 x 3, unlabelled 20 x 6 counted as 20 * 0.25 = 5:
+    # (10 + 30 + 5 * 6) / 25 = 70 / 25 = 2.8 (paper, weight 1: 160 / 40 = 4)
+    weights, stats = FedIRMServer(unlabelled_weight=0.25).aggregate(_updates(), _server_ctx())
+    assert np.allclose(weights["w"], [2.8, 2.8])
+    assert np.allclose(stats[RELATION_COUNTS], [8.0, 1.0, 3.0])  # the matrices are untouched
+    # weight 0 = FedAvg of the labelled sites alone: (10 + 30) / 20 = 2
+    assert np.allclose(FedIRMServer(unlabelled_weight=0.0).aggregate(_updates(), _server_ctx())[0]["w"], [2.0, 2.0])
+    with pytest.raises(ValueError, match="unlabelled_weight"):
+        FedIRMServer(unlabelled_weight=2.0)
+
+
+def test_reliable_lowest_entropy_keeps_a_share_of_each_batch():
+    entropy = torch.tensor([0.9, 0.1, 0.5, 0.1, 1.2])
+    # ceil(0.4 * 5) = 2 lowest: the two 0.1 (indices 1 and 3)
+    assert reliable_lowest_entropy(entropy, 0.4).tolist() == [False, True, False, True, False]
+    assert reliable_lowest_entropy(entropy, 1.0).all()
+    # multi-label: per class column; ceil(0.5 * 3) = 2 per column
+    per_entry = torch.tensor([[0.2, 0.9], [0.1, 0.3], [0.7, 0.4]])
+    assert reliable_lowest_entropy(per_entry, 0.5).tolist() == [[True, False], [True, True], [False, True]]
 
 
 def test_server_averages_relation_over_labelled_sites_only_and_fedavg_weights_over_all():

@@ -102,7 +102,10 @@ SUITES: Dict[str, Suite] = {
                                    "gpu": ["model.arch=densenet121", "model.arch_args={\"dropout\":0.2}",
                                            "num_rounds=100"]},
                         # the method's own recipe on the labelled sites alone: the like-for-like lower bound
-                        variants={"fedirm_labelled_only": ["rule_args.unlabelled_start_round=1000000"]},
+                        variants={"fedirm_labelled_only": ["rule_args.unlabelled_start_round=1000000"],
+                                  # issue 19: pseudo labels that keep coming, unlabelled sites weighed less
+                                  "fedirm_rel50_w025": ["rule_args.reliable_fraction=0.5",
+                                                        "rule_args.unlabelled_weight=0.25"]},
                         datasets={"gpu": "ham10000_64.npz"}),
 }
 for _m in range(4):
