@@ -63,7 +63,9 @@ def test_fedlsm_job_runs_and_counts_reach_the_server(tmp_path, job, task, channe
                  f"model.in_channels={channels}", "model.arch_args.width=8", "model.arch_args.depth=2",
                  "rule_args.batch_size=16", "rule_args.ude_pairs=4", "rule_args.strong_view=flip",
                  "rule_args.confident_fraction=0.25", "rule_args.uncertain_fraction=0.25", "rule_args.lr=0.001",
-                 "device=cpu"]
+                 "device=cpu",
+                 # every count must arrive; withholding rare-class rows is tested in test_filters
+                 "min_count=0"]
     summary = simulate(str(REPO / "jobs" / job), str(data_root), str(tmp_path / "ws"), overrides, timeout=240,
                        log=lambda m: None)
     ws = Path(summary["workspace"])

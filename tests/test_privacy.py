@@ -168,7 +168,10 @@ def test_sites_send_only_parameters_and_aggregate_statistics(tmp_path, method):
             assert dxo["kind"] == DataKind.METRICS and rec["task"] == "validate", where
             assert all(np.ndim(v) == 0 for v in dxo["data"].values()), where
         meta = dxo["meta"]
-        assert set(meta) <= {MetaKey.NUM_STEPS_CURRENT_ROUND, MetaKey.INITIAL_METRICS, SITE_STATS, SITE_METRICS}, where
+        # filter_history: FLARE's own record of which filters ran (class names only)
+        assert set(meta) <= {MetaKey.NUM_STEPS_CURRENT_ROUND, MetaKey.INITIAL_METRICS, SITE_STATS, SITE_METRICS,
+                             MetaKey.FILTER_HISTORY}, where
+        assert all(isinstance(name, str) for name in meta.get(MetaKey.FILTER_HISTORY, [])), where
         for key in (SITE_METRICS, MetaKey.INITIAL_METRICS):  # flat dicts of numbers
             for name, value in (meta.get(key) or {}).items():
                 assert np.ndim(value) == 0, f"{where}: {key}.{name} is not a number: {value!r}"

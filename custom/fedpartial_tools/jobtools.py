@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -229,7 +230,13 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
     # The simulator deletes its temporary job copy while client processes may still be writing
     # __pycache__ into the carried code ("Directory not empty"): no bytecode files.
     env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
-    env.setdefault("TMPDIR", os.path.join(workspace, "tmp"))
+    own_tmp = None
+    if "TMPDIR" not in env:
+        # multiprocessing puts its manager's socket under TMPDIR; AF_UNIX paths stop at 107 bytes,
+        # so a deep workspace gets a short private folder instead (removed after the run).
+        env["TMPDIR"] = os.path.join(os.path.abspath(workspace), "tmp")
+        if len(env["TMPDIR"]) > 48:
+            env["TMPDIR"] = own_tmp = tempfile.mkdtemp(prefix="fp-sim-")
     os.makedirs(env["TMPDIR"], exist_ok=True)
     server_config = json.load(open(_config_paths(job)["server"]))
     num_rounds, key_metric = int(server_config.get("num_rounds", 0)), str(server_config.get("key_metric", ""))
@@ -252,6 +259,9 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
             os.killpg(proc.pid, 9)
             proc.wait()
             raise RuntimeError(f"simulator exceeded {timeout} s; log: {workspace}/simulator.log")
+        finally:
+            if own_tmp:
+                shutil.rmtree(own_tmp, ignore_errors=True)
     progress.update(_server_metrics(sim_ws))
     summary = collect_results(sim_ws, workspace, rc, time.time() - started, log)
     summary.update(num_rounds=num_rounds, rounds_completed=progress.rounds_done)
