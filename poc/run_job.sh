@@ -14,9 +14,10 @@
 #   --gpus       resource_spec: GPUs each site must have (default none: CPU-only sites accept the job)
 #   --admin      admin kit to use (default admin@hospital-a.org; lead@hospital-a.org works too)
 #
-# Uses the 'nvflare job' CLI with --startup-kit; prints the job id and the result folder
+# Submits through FLARE's admin API (fedpartial_tools.deploy run-job); prints the job id and the result folder
 # STATE_DIR/results/<job name>/<job id> (STATE_DIR/results/<job name>/latest links to the newest);
-# prints round k/N, the key metric and time left while the job runs.  Exit 1 if the job did not complete.
+# prints round k/N, the key metric and time left while the job runs.  Exit 1 if the job did not
+# complete, 2 if it timed out (it is aborted then).
 DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$DIR/.." && pwd)"
 source "$DIR/common.sh"
@@ -57,30 +58,7 @@ NSITES="$(echo "$SITES" | tr ',' '\n' | grep -c .)"
 "$PYTHON" -m fedpartial_tools.deploy resource-spec "$STATE/jobs/$NAME" --gpus "$GPUS" --gpu-mem "$GPU_MEM" \
   --site-names "$SITES" >/dev/null
 
-json_field() { "$PYTHON" -c "import json,sys; d=json.load(sys.stdin); print(d.get('data', d).get('$1', ''))"; }
-
-SUBMIT="$(nvf --format json job submit -j "$STATE/jobs/$NAME" --startup-kit "$KIT")" \
-  || poc_die "submit failed: $SUBMIT"
-JOB_ID="$(echo "$SUBMIT" | json_field job_id)"
-[[ -n "$JOB_ID" ]] || poc_die "no job id in the submit reply: $SUBMIT"
-echo "submitted $NAME as job $JOB_ID (sites: $SITES); waiting (timeout ${TIMEOUT}s)..."
-# wait in the background and print round k/N, the key metric and time left meanwhile
-WAIT_OUT="$STATE/jobs/$NAME.wait.json"
-nvf --format json job wait "$JOB_ID" --timeout "$TIMEOUT" --startup-kit "$KIT" >"$WAIT_OUT" &
-WAIT_PID=$!
-"$PYTHON" -m fedpartial_tools.deploy progress --job "$STATE/jobs/$NAME" --metrics "$PROD/server/$JOB_ID/metrics.json" \
-  --while-pid "$WAIT_PID" || true
-wait "$WAIT_PID" || true
-STATUS_JSON="$(cat "$WAIT_OUT")"
-STATUS="$(echo "$STATUS_JSON" | json_field status 2>/dev/null || true)"
-if [[ "$STATUS" != FINISHED* ]]; then
-  echo "job $JOB_ID not finished after ${TIMEOUT}s (status '${STATUS:-?}'); aborting it" >&2
-  nvf job abort "$JOB_ID" --force --startup-kit "$KIT" || true
-fi
-OUT="$STATE/results/$NAME"
-mkdir -p "$OUT"
-nvf job download "$JOB_ID" -o "$OUT" --force --startup-kit "$KIT" >/dev/null
-ln -sfn "$JOB_ID" "$OUT/latest"   # results/<job>/latest = the newest run of this job
-echo "job $JOB_ID: $STATUS; result in $OUT/$JOB_ID"
-"$PYTHON" -m fedpartial_tools.deploy results "$OUT/$JOB_ID"
-[[ "$STATUS" == *COMPLETED ]] || { echo "error: job $JOB_ID ended $STATUS; see $OUT/$JOB_ID/workspace/log.txt" >&2; exit 1; }
+# submit, wait (printing round k/N, the key metric and time left), abort on timeout, download:
+# the same Python the tests use (fedpartial_tools.deploy.run_job)
+"$PYTHON" -m fedpartial_tools.deploy run-job --admin-kit "$KIT" --job "$STATE/jobs/$NAME" --out "$STATE/results/$NAME" \
+  --timeout "$TIMEOUT" --server-dir "$PROD/server" --latest-link

@@ -1,6 +1,7 @@
 """Running fedpartial jobs on a real FLARE system (POC or provisioned startup kits).
 
-Shared by ``poc/*.sh``, ``provisioning/*.sh`` and the end-to-end tests:
+Shared by ``poc/*.sh``, ``provisioning/*.sh`` and the end-to-end tests (one implementation of
+each action; the scripts are thin wrappers):
 
 * projects: :func:`localhost_project` writes a one-machine ``project.yml``; :func:`provision`
   runs ``nvflare provision`` and returns the newest ``prod_NN`` folder.
@@ -14,7 +15,7 @@ Shared by ``poc/*.sh``, ``provisioning/*.sh`` and the end-to-end tests:
 Command line (used by the shell scripts)::
 
     python -m fedpartial_tools.deploy poc-project --sites 3 --port 8102 --out STATE/project.yml
-    python -m fedpartial_tools.deploy run-job --admin-kit KIT --job JOBDIR --out DIR [--timeout S]
+    python -m fedpartial_tools.deploy run-job --admin-kit KIT --job JOBDIR --out DIR [--timeout S] [--json]
     python -m fedpartial_tools.deploy results DIR          # where global_model.pt / metrics.json are
     python -m fedpartial_tools.deploy resource-spec JOBDIR --gpus 1 --gpu-mem 8
     python -m fedpartial_tools.deploy admin-kit PROD_DIR --role project_admin
@@ -236,8 +237,11 @@ def wait_for_clients(session, names: Sequence[str], timeout: float = 60.0, poll:
 
 
 def run_job(session, job_dir: str, out_dir: str, timeout: float = 0.0, poll: float = 2.0,
-            log: Callable[[str], None] = print) -> dict:
+            log: Callable[[str], None] = print, server_dir: Optional[str] = None) -> dict:
     """Submit a job folder, wait until it ends, download the server's result into ``out_dir``.
+
+    The one implementation of submit / wait / abort / download: ``poc/run_job.sh`` and the tests
+    both come here.
 
     Args:
         session: an admin session (:func:`new_admin_session`).
@@ -246,18 +250,31 @@ def run_job(session, job_dir: str, out_dir: str, timeout: float = 0.0, poll: flo
         timeout: seconds to wait for the job (0 = forever); on timeout the job is aborted.
         poll: seconds between status polls.
         log: progress printer.
+        server_dir: the server's workspace when it is on this machine (POC: ``prod_NN/server``);
+            then round k/N, the key metric and time left are logged from its ``<job_id>/metrics.json``.
 
     Returns:
         ``{"job_id", "status", "seconds", "result_dir", **find_results(result_dir)}``.
     """
-    from nvflare.fuel.flare_api.api_spec import JobTimeout
+    from nvflare.fuel.flare_api.api_spec import MonitorReturnCode
 
     started = time.time()
     job_id = session.submit_job(os.path.abspath(job_dir))
-    log(f"submitted {os.path.basename(job_dir.rstrip('/'))} as job {job_id}")
-    try:
-        meta = session.wait_for_job(job_id, timeout=timeout, poll_interval=poll)
-    except JobTimeout:
+    log(f"submitted {os.path.basename(job_dir.rstrip('/'))} as job {job_id}; waiting"
+        + (f" (timeout {timeout:.0f} s)" if timeout else ""))
+    on_poll = None
+    if server_dir:
+        from fedpartial_tools.jobtools import RoundProgress, _config_paths
+
+        config = json.load(open(_config_paths(job_dir)["server"]))
+        progress = RoundProgress(int(config.get("num_rounds", 0)), str(config.get("key_metric", "")), log, started)
+        metrics = os.path.join(server_dir, job_id, "metrics.json")
+
+        def on_poll(*_):
+            progress.update(metrics if os.path.isfile(metrics) else None)
+            return True
+    rc, meta = session.monitor_job_and_return_job_meta(job_id, timeout=timeout, poll_interval=poll, cb=on_poll)
+    if rc == MonitorReturnCode.TIMEOUT:
         session.abort_job(job_id)
         raise TimeoutError(f"job {job_id} did not finish within {timeout:.0f} s; aborted it")
     status = meta.get("status", "?")
@@ -459,14 +476,26 @@ def _cmd_localhost_project(args):
 def _cmd_run_job(args):
     import contextlib
 
-    with contextlib.redirect_stdout(sys.stderr):  # nvflare prints "Connecting to FLARE ..."; stdout is JSON
+    # with --json stdout is the JSON alone: nvflare's "Connecting to FLARE ..." and progress go to stderr
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
+    with contextlib.redirect_stdout(sys.stderr):
         session = new_admin_session(args.admin_kit, timeout=args.connect_timeout)
     try:
-        result = run_job(session, args.job, args.out, timeout=args.timeout,
-                         log=lambda m: print(m, file=sys.stderr, flush=True))
+        result = run_job(session, args.job, args.out, timeout=args.timeout, log=say,
+                         server_dir=args.server_dir or None)
     finally:
         session.close()
-    print(json.dumps(result, indent=1))
+    if args.latest_link:  # OUT/latest -> the newest result of this job
+        link = os.path.join(args.out, "latest")
+        if os.path.islink(link):
+            os.remove(link)
+        os.symlink(result["job_id"], link)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        say(f"job {result['job_id']}: {result['status']}; result in {result['result_dir']}")
+        for key in ("global_model", "best_global_model", "metrics", "cross_site_val", "tensorboard", "server_log"):
+            say(f"  {key + ':':18s} {result.get(key) or '-'}")
     if not str(result["status"]).endswith("COMPLETED") or not result["global_model"]:
         print(f"error: job {result['job_id']} ended {result['status']}; server log: {result['server_log']}",
               file=sys.stderr)
@@ -550,6 +579,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="download folder")
     s.add_argument("--timeout", type=float, default=0, help="seconds (0 = no limit); the job is aborted after")
     s.add_argument("--connect-timeout", type=float, default=30)
+    s.add_argument("--server-dir", default="", help="the server's workspace if on this machine (POC): "
+                                                    "progress lines from its metrics.json")
+    s.add_argument("--latest-link", action="store_true", help="point OUT/latest at this result")
+    s.add_argument("--json", action="store_true", help="print the result as JSON (progress on stderr)")
     s.set_defaults(func=_cmd_run_job)
     s = sub.add_parser("results", help="where the outputs of a downloaded job are")
     s.add_argument("dir")
