@@ -1,6 +1,7 @@
 """bench reports on hand-made run folders (no simulator): pseudo-label quality per round,
 segmentation overlays, the README results section, and which jobs get ``reference_file``."""
 import csv
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -470,3 +471,37 @@ def test_shipped_method_jobs_are_the_cpu_profile_of_their_tables():
         assert all(suite.cpu_departures[k] for k in changed)
     # the check has teeth: the GPU profile (a bigger network) does change the shipped job
     assert "model.arch" in profile_departures(bench.SUITES["fedlsm-ham"], "gpu")
+
+
+def test_shifted_test_metrics_come_from_the_shifted_images(tmp_path, monkeypatch):
+    """fedlsm-ham reports auc_shift / f1_shift: the final model scored on acquisition_shift(test)."""
+    import torch
+
+    from fedpartial.data.npz import save_npz
+    from fedpartial.evaluation import evaluate_split
+    from fedpartial.models import build_model, save_model_file
+    from fedpartial_tools import synthetic
+
+    suite = bench.SUITES["fedlsm-ham"]
+    assert suite.shifted_test == "acquisition_shift" and {"auc_shift", "f1_shift"} <= set(suite.metrics)
+    data = synthetic.make_classification("single-label", num_classes=3, n_train=8, n_val=4, n_test=40,
+                                         size=8, channels=3, seed=0)
+    source = str(tmp_path / "d.npz")
+    save_npz(data, source)
+    torch.manual_seed(0)
+    model = build_model("small_cnn", 3, 3, width=4, depth=1)
+    norm = {"mean": 0.5, "std": 0.25}
+    save_model_file(tmp_path / "global_model.pt", model, {"class_names": data.class_names, "task": "single-label",
+                                                          "input_size": [8, 8], "normalisation": norm})
+    (tmp_path / "metrics.json").write_text(json.dumps({"rounds": [{"round": 0, "sites": {}}]}))
+    called = []
+    real = synthetic.acquisition_shift
+    monkeypatch.setattr(synthetic, "acquisition_shift", lambda x: called.append(x.shape) or real(x))
+    row = bench._evaluate_row("fedlsm-ham", suite, "fedlsm", 0, str(tmp_path), source, 1.0)
+    assert called == [(40, 8, 8, 3)]
+    test = data.splits["test"]
+    shifted = dataclasses.replace(test, images=real(np.asarray(test.images)))
+    expect = evaluate_split(model, shifted, "single-label", data.class_names, norm, "cpu")
+    plain = evaluate_split(model, test, "single-label", data.class_names, norm, "cpu")
+    assert row["auc_shift"] == pytest.approx(expect["auc"]) and row["f1_shift"] == pytest.approx(expect["f1"])
+    assert row["auc"] == pytest.approx(plain["auc"]) and row["auc"] != row["auc_shift"]

@@ -90,3 +90,28 @@ def test_small_lesions_are_sparse_small_and_whole_lesions_can_be_dropped():
     kept = sum(int(np.asarray(s.splits["train"].labels).astype(bool).sum()) for s in sites)
     full = sum(int(np.asarray(r.splits["train"].labels).astype(bool).sum()) for r in refs)
     assert 0 < kept < full
+
+
+def test_acquisition_shift_numbers_worked_by_hand():
+    from fedpartial_tools.synthetic import acquisition_shift
+
+    # grey 128, mean gain (1.12 + 0.96 + 0.82) / 3: (128 / 255 * 0.96667) ** 0.8 * 255 = 142.99;
+    # a constant image keeps its value under the contrast step
+    grey = acquisition_shift(np.full((1, 4, 4), 128, np.uint8), blur_sigma=0, noise_std=0)
+    assert np.all(grey == 143)
+    # RGB 100: gains -> 0.51779 / 0.45771 / 0.40346 after gamma; mean 0.45965; contrast 0.8 pulls
+    # each channel toward it: 0.50616 / 0.45810 / 0.41470 -> 129 / 117 / 106
+    rgb = acquisition_shift(np.full((1, 4, 4, 3), 100, np.uint8), blur_sigma=0, noise_std=0)
+    assert rgb[0, 0, 0].tolist() == [129, 117, 106]
+    # blur sigma 0.6 of one white pixel (scipy truncates at radius 2): kernel 1, 0.24935, 0.003866 over
+    # 1.50643 -> centre 255 * 0.66382^2 = 112.4, 4-neighbour 255 * 0.66382 * 0.16553 = 28.0
+    dot = np.zeros((1, 5, 5), np.uint8)
+    dot[0, 2, 2] = 255
+    out = acquisition_shift(dot, channel_gain=(1, 1, 1), gamma=1, contrast=1, noise_std=0, blur_sigma=0.6)
+    assert out[0, 2, 1:4].tolist() == [28, 112, 28]
+    # repeatable noise; floats refused
+    x = np.full((2, 6, 6, 3), 90, np.uint8)
+    assert np.array_equal(acquisition_shift(x, seed=3), acquisition_shift(x, seed=3))
+    assert not np.array_equal(acquisition_shift(x, seed=3), acquisition_shift(x, seed=4))
+    with pytest.raises(ValueError, match="uint8"):
+        acquisition_shift(x.astype(np.float32))

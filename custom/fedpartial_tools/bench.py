@@ -14,6 +14,7 @@ suites, and the results section of a README between ``<!-- bench:results:begin -
 from __future__ import annotations
 
 import csv
+import dataclasses
 import glob
 import json
 import math
@@ -55,6 +56,9 @@ class Suite:
     # CPU-profile settings that differ from the method job as shipped, each with the reason (every
     # other CPU-profile setting is already the job's default: the shipped jobs reproduce the tables)
     cpu_departures: Dict[str, str] = field(default_factory=dict)
+    # a function of fedpartial_tools.synthetic that turns the test images into a shifted test set
+    # (another acquisition); each metric is reported again as "<metric>_shift"
+    shifted_test: str = ""
 
     def dataset_for(self, profile: str) -> str:
         """The data file the ``profile`` runs on."""
@@ -82,7 +86,10 @@ SUITES: Dict[str, Suite] = {
                         variants={"fedlsm_paper": ["rule_args.renormalise_missing=false"],
                                   "fedlsm_tau80": ["rule_args.renormalise_missing=false", "rule_args.tau=0.8",
                                                    "rule_args.tau_l=0.7"]},
-                        datasets={"gpu": "ham10000_64.npz"}),
+                        datasets={"gpu": "ham10000_64.npz"},
+                        # auc_shift / f1_shift: the same test images through another "camera"
+                        metrics=["auc", "f1", "accuracy", "bacc", "map", "auc_shift", "f1_shift"],
+                        shifted_test="acquisition_shift"),
     "fedlsm-nih": Suite("nih_chestxray14_64.npz", "label-set-mismatch", {"classes_per_site": 3}, 8,
                         "fedlsm_multilabel", "fedavg", "fedavg_full", ["fedavg_partial_loss"],
                         metrics=["auc", "map", "f1", "bacc"],
@@ -353,6 +360,13 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds) -> dict:
            "split_options": json.dumps(suite.split_options), "seed": seed,
            "rounds": len(json.load(open(os.path.join(ws, "metrics.json")))["rounds"]),
            "seconds": round(seconds, 1)}
+    if suite.shifted_test:
+        from fedpartial_tools import synthetic
+
+        shifted = dataclasses.replace(test, images=getattr(synthetic, suite.shifted_test)(np.asarray(test.images)))
+        for k, v in evaluate_split(model, shifted, data.task, data.class_names, meta["normalisation"],
+                                   device).items():
+            metrics[f"{k}_shift"] = v
     for k in suite.metrics:
         row[k] = float(metrics.get(k, float("nan")))
     per_class = metrics.get("per_class") or {}

@@ -145,3 +145,42 @@ def make_small_lesions(n_train: int = 240, n_val: int = 40, n_test: int = 80, si
             images[i] = np.clip(image * 255, 0, 255).astype(np.uint8)
         splits[name] = Split(images, masks, None, np.arange(n), None)
     return Dataset(SEGMENTATION, ["lesion"], splits, source="synthetic small lesions")
+
+
+def acquisition_shift(images: np.ndarray, channel_gain=(1.12, 0.96, 0.82), gamma: float = 0.8,
+                      contrast: float = 0.8, blur_sigma: float = 0.6, noise_std: float = 4.0,
+                      seed: int = 0) -> np.ndarray:
+    """The same images as another clinic's camera would give them: a colour cast, another gamma
+    curve, lower contrast, a softer lens and sensor noise. A shifted test set that the bench can
+    build from any file (no second data source needed).
+
+    Args:
+        images: ``(N, H, W[, C])`` uint8.
+        channel_gain: per-channel gain (colour cast); a grey image gets the mean gain.
+        gamma: ``out = in ** gamma`` on [0, 1] (< 1 brightens the mid-tones).
+        contrast: scales the deviation from each image's mean.
+        blur_sigma: Gaussian blur in pixels (0 = none).
+        noise_std: Gaussian noise in grey levels (0-255).
+        seed: noise seed (the shift is repeatable).
+
+    Returns:
+        uint8 array of the same shape.
+    """
+    from scipy.ndimage import gaussian_filter
+
+    if images.dtype != np.uint8:
+        raise ValueError(f"acquisition_shift expects uint8 images, got {images.dtype}")
+    x = images.astype(np.float32) / 255.0
+    if x.ndim == 4:
+        gain = np.asarray(channel_gain, np.float32)
+        x = x * (gain[: x.shape[-1]] if x.shape[-1] <= len(gain) else gain.mean())
+    else:
+        x = x * float(np.mean(channel_gain))
+    x = np.clip(x, 0.0, 1.0) ** float(gamma)
+    mean = x.mean(axis=tuple(range(1, x.ndim)), keepdims=True)
+    x = mean + float(contrast) * (x - mean)
+    if blur_sigma > 0:
+        sigma = (0, blur_sigma, blur_sigma) + ((0,) if x.ndim == 4 else ())
+        x = gaussian_filter(x, sigma=sigma)
+    x = x * 255.0 + np.random.default_rng(seed).normal(0.0, float(noise_std), x.shape)
+    return np.clip(np.rint(x), 0, 255).astype(np.uint8)
