@@ -11,7 +11,8 @@ import torch.nn as nn
 
 from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext, SiteUpdate
 from fedpartial.algorithms.fedia import (MASKS_FILE, STATE_FILE, FedIAClient, FedIAServer, completeness_aware_weights,
-                                         correct_masks, correction_triggered, count_lesions, estimate_completeness,
+                                         correct_masks, correct_masks_lesionwise, correction_triggered, count_lesions,
+                                         estimate_completeness,
                                          fit_iou_trend)
 from fedpartial.algorithms.segmentation import (SegmentationSupervisedClient, binary_masks, iou_score,
                                                 train_dice_epoch)
@@ -157,6 +158,45 @@ def test_correct_masks_only_flips_zero_to_one():
     assert masks.tolist() == [[[1, 0], [0, 0]]]  # input untouched
     all_low = correct_masks(np.ones((1, 2, 2), np.uint8), np.zeros((1, 2, 2)), 0.8)
     assert all_low[0].tolist() == [[[1, 1], [1, 1]]] and all_low[1] == 0
+
+
+def test_correct_masks_lesionwise_adds_whole_missed_lesions_and_no_rims():
+    # one 6 x 8 image: an annotated lesion at (1,1)-(1,2); the model also marks
+    #   A: its rim (1,3), touching it          -> never added (no rim)
+    #   B: a 2 x 2 lesion at (3..4, 5..6), peak 0.9, pixels 0.6 / 0.7 / 0.9 / 0.55 -> added whole (4 px)
+    #   C: a 1-pixel lesion at (4,1), peak 0.7 < 0.8 -> not confident enough
+    #   D: (5,7) diagonal to B's (4,6): same lesion under 8-connectivity (peak 0.9), alone under 4
+    masks = np.zeros((1, 6, 8), np.uint8)
+    masks[0, 1, 1:3] = 1
+    prob = np.full((1, 6, 8), 0.1)
+    prob[0, 1, 1:3] = 0.3            # the annotated lesion itself (labels 1 stay 1 whatever the model says)
+    prob[0, 1, 3] = 0.95             # A
+    prob[0, 3:5, 5:7] = [[0.6, 0.7], [0.9, 0.55]]  # B
+    prob[0, 4, 1] = 0.7              # C
+    prob[0, 5, 7] = 0.52             # D
+    new, changed = correct_masks_lesionwise(masks, prob, threshold=0.8, prob_threshold=0.5, connectivity=8)
+    expected = masks.copy()
+    expected[0, 3:5, 5:7] = 1
+    expected[0, 5, 7] = 1
+    assert new.tolist() == expected.tolist() and changed == 5
+    assert masks.sum() == 2  # input untouched
+    # 4-connectivity: D is a lesion of its own with peak 0.52 < 0.8 -> stays 0; B still added
+    new4, changed4 = correct_masks_lesionwise(masks, prob, threshold=0.8, prob_threshold=0.5, connectivity=4)
+    assert changed4 == 4 and new4[0, 5, 7] == 0 and new4[0, 3:5, 5:7].all()
+    # the paper's pixel rule at the same 0.8 paints the rim A and only B's 0.9 core
+    pixel_new, pixel_changed = correct_masks(masks, prob, 0.8)
+    assert pixel_changed == 2 and pixel_new[0, 1, 3] == 1 and pixel_new[0, 3:5, 5:7].sum() == 1
+    # lesions never join across images of the stack: the same B on the next image touches nothing there
+    two = np.concatenate([masks, np.zeros_like(masks)])
+    two_prob = np.concatenate([prob, prob])
+    assert correct_masks_lesionwise(two, two_prob, 0.8)[1] == 5 + 6  # image 2 also gains A (no annotated lesion)
+    with pytest.raises(ValueError, match="shape"):
+        correct_masks_lesionwise(masks, prob[:, :5], 0.8)
+
+
+def test_fedia_client_rejects_an_unknown_correction_rule():
+    with pytest.raises(ValueError, match="correction_rule 'blobs' unknown"):
+        FedIAClient(correction_rule="blobs")
 
 
 # ----------------------------------------------------------------------------- softmax weights

@@ -13,7 +13,8 @@ Client (:class:`FedIAClient`), round ``r`` (0-based; the paper's round ``t = r +
    images), and fits ``IoU_k(t) ≈ l_k·t + b_k`` over the warm-up rounds (eq. 6, ``numpy.polyfit``);
 3. after warm-up, when ``fitted IoU(t) - IoU(t) > λ`` (eq. 7, λ = 0.03) the site corrects its
    masks at the start of the next round with the received global model: pixels labelled 0 whose
-   foreground probability exceeds 0.8 become 1 (never 1 -> 0). Once, permanently, by default
+   foreground probability exceeds 0.8 become 1 (never 1 -> 0; ``correction_rule="lesions"``, not
+   in the paper: whole confident predicted lesions that touch no annotated one). Once, permanently, by default
    (the reference code); ``correct_repeatedly=True`` re-checks the trigger after a correction.
    Corrected masks live in ``ctx.state_dir``; the site file is never modified.
 
@@ -152,6 +153,51 @@ def correct_masks(masks: np.ndarray, foreground_prob: np.ndarray, threshold: flo
     return new, int(flip.sum())
 
 
+#: ``correction_rule`` choices: the paper's pixel rule, or whole missing lesions
+CORRECTION_RULES = ("pixels", "lesions")
+
+
+def correct_masks_lesionwise(masks: np.ndarray, foreground_prob: np.ndarray, threshold: float = 0.8,
+                             prob_threshold: float = 0.5, connectivity: int = 8) -> Tuple[np.ndarray, int]:
+    """Add whole lesions the annotator missed: each predicted lesion (a connected component of
+    ``prob > prob_threshold`` in one 2D image) whose peak probability exceeds ``threshold`` and
+    which touches no annotated lesion (not even diagonally) becomes lesion. Annotated lesions are
+    never grown, so no rim is painted around them, and a confident lesion is added whole rather
+    than as its most confident core. Labels 1 stay 1.
+
+    Args:
+        masks: uint8 0/1 ``(N, H, W)``.
+        foreground_prob: ``(N, H, W)`` sigmoid probabilities.
+        threshold: peak probability a predicted lesion needs to be added.
+        prob_threshold: probability above which a pixel belongs to a predicted lesion.
+        connectivity: 8 or 4, neighbourhood of a lesion.
+
+    Returns:
+        ``(new_masks, pixels_changed)``; ``masks`` itself is not modified.
+    """
+    masks = np.asarray(masks)
+    prob = np.asarray(foreground_prob)
+    if masks.shape != prob.shape:
+        raise ValueError(f"masks shape {masks.shape} != probability shape {prob.shape}")
+    if masks.ndim != 3:
+        raise ValueError(f"correct_masks_lesionwise expects (N, H, W) masks, got shape {masks.shape}")
+    structure = np.zeros((3, 3, 3), dtype=bool)
+    structure[1] = connectivity_structure(connectivity)  # components never cross to the next image
+    labels, n = ndimage.label(prob > prob_threshold, structure=structure)
+    new = masks.astype(np.uint8, copy=True)
+    if n == 0:
+        return new, 0
+    ids = np.arange(1, n + 1)
+    peaks = ndimage.maximum(prob, labels, index=ids)
+    touching = np.zeros(n + 1, dtype=bool)
+    touching[np.unique(labels[ndimage.binary_dilation(masks > 0, structure=structure)])] = True
+    add = np.zeros(n + 1, dtype=bool)
+    add[1:] = (np.asarray(peaks) > threshold) & ~touching[1:]
+    flip = add[labels] & (new == 0)
+    new[flip] = 1
+    return new, int(flip.sum())
+
+
 def completeness_aware_weights(completeness, losses, loss_floor: float = 1e-6) -> np.ndarray:
     """FedIA eq. 4: ``w_k = softmax_k(â_k / ℓ_k)``.
 
@@ -192,7 +238,12 @@ class FedIAClient(SegmentationSupervisedClient):
     Args:
         warmup_rounds: T, rounds of plain training before completeness estimation (paper: 10 MS, 40 lung).
         iou_margin: λ of eq. 7 (paper: 0.03).
-        correction_threshold: foreground probability above which a 0 pixel becomes 1 (paper: 0.8).
+        correction_threshold: foreground probability above which a 0 pixel becomes 1 (paper: 0.8);
+            with ``correction_rule="lesions"`` the peak probability a missed lesion needs.
+        correction_rule: ``pixels`` (paper: every 0 pixel above the threshold, :func:`correct_masks`)
+            or ``lesions`` (ours: whole predicted lesions that touch no annotated one,
+            :func:`correct_masks_lesionwise`; for sparse lesions, where a partially trained model
+            is rarely sure of a missed lesion's every pixel).
         use_correction: False = ablation without client-wise adaptive correction.
         correct_repeatedly: False = correct once, permanently (reference code); True = keep checking
             the trigger after a correction and correct again.
@@ -212,7 +263,8 @@ class FedIAClient(SegmentationSupervisedClient):
                  completeness_floor: float = 1e-3, completeness_cap: Optional[float] = None,
                  lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, batch_size: int = 4,
                  local_epochs: int = 1, prob_threshold: float = 0.5, dice_batch: bool = False,
-                 predict_batch_size: int = 16, loss: str = "dice", lesion_fraction: float = 0.0):
+                 predict_batch_size: int = 16, loss: str = "dice", lesion_fraction: float = 0.0,
+                 correction_rule: str = "pixels"):
         super().__init__(lr=lr, betas=betas, weight_decay=weight_decay, batch_size=batch_size,
                          local_epochs=local_epochs, prob_threshold=prob_threshold, dice_batch=dice_batch,
                          predict_batch_size=predict_batch_size, loss=loss, lesion_fraction=lesion_fraction)
@@ -227,6 +279,9 @@ class FedIAClient(SegmentationSupervisedClient):
             raise ValueError(f"completeness_cap {completeness_cap} is below completeness_floor {completeness_floor}")
         self.warmup_rounds, self.iou_margin = int(warmup_rounds), float(iou_margin)
         self.correction_threshold = float(correction_threshold)
+        if correction_rule not in CORRECTION_RULES:
+            raise ValueError(f"correction_rule '{correction_rule}' unknown; choose one of {CORRECTION_RULES}")
+        self.correction_rule = correction_rule
         self.use_correction, self.correct_repeatedly = bool(use_correction), bool(correct_repeatedly)
         self.connectivity = int(connectivity)
         self.completeness_floor = float(completeness_floor)
@@ -306,7 +361,11 @@ class FedIAClient(SegmentationSupervisedClient):
 
     def correct(self, fg_prob: np.ndarray, round_index: int) -> int:
         """Apply the correction rule to the current masks; returns the pixels changed."""
-        self.masks, changed = correct_masks(self.masks, fg_prob, self.correction_threshold)
+        if self.correction_rule == "lesions":
+            self.masks, changed = correct_masks_lesionwise(self.masks, fg_prob, self.correction_threshold,
+                                                           self.prob_threshold, self.connectivity)
+        else:
+            self.masks, changed = correct_masks(self.masks, fg_prob, self.correction_threshold)
         self.state["corrected"], self.state["correction_pending"] = True, False
         self.state["correction_rounds"].append(int(round_index))
         self.state["corrected_pixels_total"] = int((self.masks > self.original_masks).sum())
