@@ -318,6 +318,35 @@ def test_client_estimates_triggers_corrects_once_and_survives_restart(tmp_path):
     assert saved["mask_shape"] == [2, 8, 8]
 
 
+def test_client_defers_completeness_until_the_model_predicts_a_lesion(tmp_path):
+    site, _ = lesion_masks()
+    ious = {0: 0.0, 1: 0.0, 2: 0.0, 3: 0.3, 4: 0.5, 5: 0.5}
+    blank = np.full((8, 8), -3.0, dtype=np.float32)  # the model marks nothing (sigmoid 0.047)
+
+    def run(client, folder):
+        model = FixedMapModel(blank.copy())  # the buffer shares memory with its array
+        client.setup(make_ctx(tmp_path / folder, site))
+        outs = []
+        for r in range(6):
+            if r == 4:  # learning starts late: from round 4 the global model marks 3 lesions per image
+                model.logit_map.copy_(torch.as_tensor(predicted_map()))
+            outs.append(run_round(client, model, r))
+        return outs
+
+    paper = scripted(FedIAClient(warmup_rounds=2, use_correction=False), ious)
+    outs = run(paper, "paper")
+    # the paper's rule estimates at round 2 from a blank model: 1.0 for good
+    assert outs[2].stats["completeness_ready"] == 1 and outs[5].stats["completeness"] == 1.0
+
+    deferred = scripted(FedIAClient(warmup_rounds=2, use_correction=False, defer_completeness=True), ious)
+    outs = run(deferred, "deferred")
+    assert [o.stats["completeness_ready"] for o in outs] == [0, 0, 0, 0, 1, 1]
+    # round 4: 2 annotated / 6 predicted lesions; the trend is fitted over rounds 0..3 (t = 1..4,
+    # IoU 0, 0, 0, 0.3): slope 0.45 / 5 = 0.09, intercept 0.075 - 0.09 * 2.5 = -0.15
+    assert outs[4].stats["completeness"] == pytest.approx(1 / 3)
+    assert deferred.state["trend"] == pytest.approx([0.09, -0.15])
+
+
 def test_client_correct_repeatedly_and_switch_off(tmp_path):
     site, _ = lesion_masks()
     model = FixedMapModel(predicted_map())

@@ -244,6 +244,11 @@ class FedIAClient(SegmentationSupervisedClient):
             or ``lesions`` (ours: whole predicted lesions that touch no annotated one,
             :func:`correct_masks_lesionwise`; for sparse lesions, where a partially trained model
             is rarely sure of a missed lesion's every pixel).
+        defer_completeness: False (paper) = a warm-up model that predicts no lesion gives
+            completeness 1.0 for the rest of the run; True (ours) = estimate at the first round from
+            ``warmup_rounds`` on whose global model predicts a lesion at the site (the IoU trend is
+            then fitted over every round before it); the server stays on size-weighted FedAvg until
+            every site has its estimate. For data where learning starts late (sparse lesions).
         use_correction: False = ablation without client-wise adaptive correction.
         correct_repeatedly: False = correct once, permanently (reference code); True = keep checking
             the trigger after a correction and correct again.
@@ -264,7 +269,7 @@ class FedIAClient(SegmentationSupervisedClient):
                  lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, batch_size: int = 4,
                  local_epochs: int = 1, prob_threshold: float = 0.5, dice_batch: bool = False,
                  predict_batch_size: int = 16, loss: str = "dice", lesion_fraction: float = 0.0,
-                 correction_rule: str = "pixels"):
+                 correction_rule: str = "pixels", defer_completeness: bool = False):
         super().__init__(lr=lr, betas=betas, weight_decay=weight_decay, batch_size=batch_size,
                          local_epochs=local_epochs, prob_threshold=prob_threshold, dice_batch=dice_batch,
                          predict_batch_size=predict_batch_size, loss=loss, lesion_fraction=lesion_fraction)
@@ -282,6 +287,7 @@ class FedIAClient(SegmentationSupervisedClient):
         if correction_rule not in CORRECTION_RULES:
             raise ValueError(f"correction_rule '{correction_rule}' unknown; choose one of {CORRECTION_RULES}")
         self.correction_rule = correction_rule
+        self.defer_completeness = bool(defer_completeness)
         self.use_correction, self.correct_repeatedly = bool(use_correction), bool(correct_repeatedly)
         self.connectivity = int(connectivity)
         self.completeness_floor = float(completeness_floor)
@@ -340,10 +346,15 @@ class FedIAClient(SegmentationSupervisedClient):
         _atomic_write(self.state_path, lambda h: h.write(text))
 
     # -- FedIA steps ------------------------------------------------------------------------
-    def estimate(self, fg_prob: np.ndarray) -> None:
-        """Completeness (eq. 3) from the warm-up model's prediction, and the IoU trend (eq. 6)."""
+    def estimate(self, fg_prob: np.ndarray, round_index: Optional[int] = None) -> None:
+        """Completeness (eq. 3) from the warm-up model's prediction, and the IoU trend (eq. 6) over
+        the rounds before ``round_index`` (default: the warm-up rounds)."""
         predicted = fg_prob > self.prob_threshold
         a_k, n_annotated, n_predicted = estimate_completeness(self.original_masks, predicted, self.connectivity)
+        if a_k is None and self.defer_completeness:
+            self.ctx.log(f"site '{self.ctx.site}': the global model predicts no lesion yet; completeness "
+                         f"estimate deferred to the next round")
+            return
         if a_k is None:
             self.ctx.log(f"site '{self.ctx.site}': the warm-up model predicts no lesion; completeness set to 1.0")
             a_k = 1.0
@@ -351,7 +362,8 @@ class FedIAClient(SegmentationSupervisedClient):
         if self.completeness_cap is not None:
             a_k = min(a_k, self.completeness_cap)
         self.state.update(completeness=float(a_k), annotated_lesions=n_annotated, predicted_lesions=n_predicted)
-        warm = sorted((int(r), v) for r, v in self.state["iou_history"].items() if int(r) < self.warmup_rounds)
+        last = self.warmup_rounds if round_index is None else max(int(round_index), self.warmup_rounds)
+        warm = sorted((int(r), v) for r, v in self.state["iou_history"].items() if int(r) < last)
         if len(warm) >= 2:
             self.state["trend"] = list(fit_iou_trend([r + 1 for r, _ in warm], [v for _, v in warm]))
         else:
@@ -401,7 +413,7 @@ class FedIAClient(SegmentationSupervisedClient):
         if r >= self.warmup_rounds and state["completeness"] is None:
             model.to(self.ctx.device)
             fg_prob = self.predict(model)
-            self.estimate(fg_prob)
+            self.estimate(fg_prob, r)
         changed = 0
         if self.use_correction and state["correction_pending"]:
             model.to(self.ctx.device)
