@@ -223,14 +223,10 @@ for _m in (2, 3):
             method_overrides={"cpu": _LESION_WARMUP, "gpu": ["rule_args.warmup_rounds=40"]},
             variants={"fedia_paper_threshold": ["rule_args.correction_threshold=0.8"],
                       "fedia_lesionwise": ["rule_args.correction_rule=lesions", "rule_args.correction_threshold=0.8"],
-                      # the trigger re-checked after a correction: later, better models add more lesions
-                      "fedia_lesionwise_repeat": ["rule_args.correction_rule=lesions",
-                                                  "rule_args.correction_threshold=0.8",
-                                                  "rule_args.correct_repeatedly=true"],
-                      # completeness estimated once the global model marks a lesion (learning starts late)
-                      "fedia_lesionwise_deferred": ["rule_args.correction_rule=lesions",
-                                                    "rule_args.correction_threshold=0.8",
-                                                    "rule_args.defer_completeness=true"]},
+                      # warm-up counted from the first lesion the model marks (learning starts late)
+                      "fedia_lesionwise_late": ["rule_args.correction_rule=lesions",
+                                                "rule_args.correction_threshold=0.8",
+                                                "rule_args.warmup_from_first_lesion=true"]},
             overrides={"cpu": _LESION_CPU + _extra,
                        "gpu": ["num_rounds=100", "model.input_size=[128,128]", "rule_args.lr=0.01"] + _extra})
 

@@ -244,11 +244,14 @@ class FedIAClient(SegmentationSupervisedClient):
             or ``lesions`` (ours: whole predicted lesions that touch no annotated one,
             :func:`correct_masks_lesionwise`; for sparse lesions, where a partially trained model
             is rarely sure of a missed lesion's every pixel).
-        defer_completeness: False (paper) = a warm-up model that predicts no lesion gives
-            completeness 1.0 for the rest of the run; True (ours) = estimate at the first round from
-            ``warmup_rounds`` on whose global model predicts a lesion at the site (the IoU trend is
-            then fitted over every round before it); the server stays on size-weighted FedAvg until
-            every site has its estimate. For data where learning starts late (sparse lesions).
+        warmup_from_first_lesion: False (paper) = the warm-up is the first ``warmup_rounds`` rounds:
+            a warm-up model that predicts no lesion gives completeness 1.0 for good, and the IoU
+            trend is fitted over all of them. True (ours, for data where learning starts late, e.g.
+            sparse lesions) = completeness is estimated at the first round from ``warmup_rounds`` on
+            whose global model marks a lesion at the site, and the IoU trend is fitted over the
+            rounds since the site's train IoU first rose above 0 (a trend through rounds of IoU 0
+            is too flat for the IoU ever to fall below it). The server stays on size-weighted
+            FedAvg until every site has its estimate.
         use_correction: False = ablation without client-wise adaptive correction.
         correct_repeatedly: False = correct once, permanently (reference code); True = keep checking
             the trigger after a correction and correct again.
@@ -269,7 +272,7 @@ class FedIAClient(SegmentationSupervisedClient):
                  lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, batch_size: int = 4,
                  local_epochs: int = 1, prob_threshold: float = 0.5, dice_batch: bool = False,
                  predict_batch_size: int = 16, loss: str = "dice", lesion_fraction: float = 0.0,
-                 correction_rule: str = "pixels", defer_completeness: bool = False):
+                 correction_rule: str = "pixels", warmup_from_first_lesion: bool = False):
         super().__init__(lr=lr, betas=betas, weight_decay=weight_decay, batch_size=batch_size,
                          local_epochs=local_epochs, prob_threshold=prob_threshold, dice_batch=dice_batch,
                          predict_batch_size=predict_batch_size, loss=loss, lesion_fraction=lesion_fraction)
@@ -287,7 +290,7 @@ class FedIAClient(SegmentationSupervisedClient):
         if correction_rule not in CORRECTION_RULES:
             raise ValueError(f"correction_rule '{correction_rule}' unknown; choose one of {CORRECTION_RULES}")
         self.correction_rule = correction_rule
-        self.defer_completeness = bool(defer_completeness)
+        self.warmup_from_first_lesion = bool(warmup_from_first_lesion)
         self.use_correction, self.correct_repeatedly = bool(use_correction), bool(correct_repeatedly)
         self.connectivity = int(connectivity)
         self.completeness_floor = float(completeness_floor)
@@ -351,7 +354,7 @@ class FedIAClient(SegmentationSupervisedClient):
         the rounds before ``round_index`` (default: the warm-up rounds)."""
         predicted = fg_prob > self.prob_threshold
         a_k, n_annotated, n_predicted = estimate_completeness(self.original_masks, predicted, self.connectivity)
-        if a_k is None and self.defer_completeness:
+        if a_k is None and self.warmup_from_first_lesion:
             self.ctx.log(f"site '{self.ctx.site}': the global model predicts no lesion yet; completeness "
                          f"estimate deferred to the next round")
             return
@@ -364,6 +367,9 @@ class FedIAClient(SegmentationSupervisedClient):
         self.state.update(completeness=float(a_k), annotated_lesions=n_annotated, predicted_lesions=n_predicted)
         last = self.warmup_rounds if round_index is None else max(int(round_index), self.warmup_rounds)
         warm = sorted((int(r), v) for r, v in self.state["iou_history"].items() if int(r) < last)
+        if self.warmup_from_first_lesion:
+            first = next((i for i, (_, v) in enumerate(warm) if v > 0), len(warm))
+            warm = warm[first:]
         if len(warm) >= 2:
             self.state["trend"] = list(fit_iou_trend([r + 1 for r, _ in warm], [v for _, v in warm]))
         else:
