@@ -254,7 +254,7 @@ def test_write_overlays_uses_the_evaluation_path(tmp_path):
     path, dice = bench.write_overlays(name, str(tmp_path), 0, source, n_images=10, device="cpu")
     assert path == str(tmp_path / f"{name}_overlays_seed0.png") and os.path.isfile(path)
     assert list(dice) == ["fedavg_seg", "fedavg_seg_full", "fedia", "fedia_no_correction", "fedia_keep_weighting",
-                          "fedia_paper_threshold", "fedia_lesionwise"]
+                          "fedia_paper_threshold", "fedia_lesionwise", "fedia_lesionwise_late_retry"]
     test = resize_dataset(load_npz(source), (8, 8)).splits["test"]
     for job in dice:
         model, meta_read = load_model_file(tmp_path / name / "seed0" / job / "global_model.pt")

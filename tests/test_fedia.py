@@ -370,6 +370,39 @@ def test_client_correct_repeatedly_and_switch_off(tmp_path):
     assert outs[4].stats["completeness"] == pytest.approx(1 / 3)  # still estimated (for the server)
 
 
+def test_client_retry_empty_correction_keeps_the_trigger_armed(tmp_path):
+    site, _ = lesion_masks()
+    ious = {0: 0.1, 1: 0.2, 2: 0.25, 3: 0.1, 4: 0.1, 5: 0.1}
+    unsure = predicted_map() / 3.0  # logit 1 on the lesions: sigmoid 0.73, marked (> 0.5) but < 0.8
+
+    def run(client, folder):
+        model = FixedMapModel(unsure.copy())
+        client.setup(make_ctx(tmp_path / folder, site))
+        outs = []
+        for r in range(6):
+            if r == 4:  # from round 4 the global model is sure (0.953) of the missed lesions
+                model.logit_map.copy_(torch.as_tensor(predicted_map()))
+            outs.append(run_round(client, model, r))
+        return outs
+
+    # trend over rounds 0, 1: IoU 0.1 t + 0 -> round 2 (t = 3): 0.25 < 0.30 - 0.03 triggers;
+    # the correction at round 3 comes from the unsure model and changes nothing
+    reference = run(scripted(FedIAClient(warmup_rounds=2), ious), "reference")
+    assert [o.metrics["corrected_pixels"] for o in reference] == [0, 0, 0, 0, 0, 0]
+    assert [o.stats["corrected"] for o in reference] == [0, 0, 0, 1, 1, 1]  # used up, nothing gained
+    assert [o.metrics["correction_triggered"] for o in reference] == [0, 0, 1, 0, 0, 0]
+
+    retry = scripted(FedIAClient(warmup_rounds=2, retry_empty_correction=True), ious)
+    outs = run(retry, "retry")
+    # round 3: nothing passed 0.8, the site is not corrected and round 3's IoU 0.1 < 0.4 - 0.03
+    # triggers again; round 4 corrects with the sure model: the 2 missed 2x2 lesions and the 1x2
+    # strip of each image = 12 pixels; afterwards the trigger is off (correct once)
+    assert [o.metrics["corrected_pixels"] for o in outs] == [0, 0, 0, 0, 12, 0]
+    assert [o.stats["corrected"] for o in outs] == [0, 0, 0, 0, 1, 1]
+    assert [o.metrics["correction_triggered"] for o in outs] == [0, 0, 1, 1, 0, 0]
+    assert retry.state["correction_rounds"] == [4]
+
+
 def test_client_completeness_cap_and_no_prediction(tmp_path):
     site, _ = lesion_masks()
     ious = {0: 0.1, 1: 0.2, 2: 0.3}

@@ -15,7 +15,8 @@ Client (:class:`FedIAClient`), round ``r`` (0-based; the paper's round ``t = r +
    masks at the start of the next round with the received global model: pixels labelled 0 whose
    foreground probability exceeds 0.8 become 1 (never 1 -> 0; ``correction_rule="lesions"``, not
    in the paper: whole confident predicted lesions that touch no annotated one). Once, permanently, by default
-   (the reference code); ``correct_repeatedly=True`` re-checks the trigger after a correction.
+   (the reference code); ``correct_repeatedly=True`` re-checks the trigger after a correction;
+   ``retry_empty_correction=True`` (ours) does not count a correction that changed no pixel.
    Corrected masks live in ``ctx.state_dir``; the site file is never modified.
 
 Stats sent every round: ``mean_loss``, ``iou``, ``completeness`` (â_k; 1.0 until estimated),
@@ -252,6 +253,11 @@ class FedIAClient(SegmentationSupervisedClient):
             rounds since the site's train IoU first rose above 0 (a trend through rounds of IoU 0
             is too flat for the IoU ever to fall below it). The server stays on size-weighted
             FedAvg until every site has its estimate.
+        retry_empty_correction: False (reference code) = the first triggered correction ends the
+            site's correction even when no pixel passed the threshold (the site then counts as
+            corrected, and once all have, the server returns to FedAvg). True (ours) = a correction
+            that changed no pixel does not count: the trigger stays armed and the site is not
+            reported as corrected (an early, unsure model must not use up the one correction).
         use_correction: False = ablation without client-wise adaptive correction.
         correct_repeatedly: False = correct once, permanently (reference code); True = keep checking
             the trigger after a correction and correct again.
@@ -272,7 +278,8 @@ class FedIAClient(SegmentationSupervisedClient):
                  lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, batch_size: int = 4,
                  local_epochs: int = 1, prob_threshold: float = 0.5, dice_batch: bool = False,
                  predict_batch_size: int = 16, loss: str = "dice", lesion_fraction: float = 0.0,
-                 correction_rule: str = "pixels", warmup_from_first_lesion: bool = False):
+                 correction_rule: str = "pixels", warmup_from_first_lesion: bool = False,
+                 retry_empty_correction: bool = False):
         super().__init__(lr=lr, betas=betas, weight_decay=weight_decay, batch_size=batch_size,
                          local_epochs=local_epochs, prob_threshold=prob_threshold, dice_batch=dice_batch,
                          predict_batch_size=predict_batch_size, loss=loss, lesion_fraction=lesion_fraction)
@@ -291,6 +298,7 @@ class FedIAClient(SegmentationSupervisedClient):
             raise ValueError(f"correction_rule '{correction_rule}' unknown; choose one of {CORRECTION_RULES}")
         self.correction_rule = correction_rule
         self.warmup_from_first_lesion = bool(warmup_from_first_lesion)
+        self.retry_empty_correction = bool(retry_empty_correction)
         self.use_correction, self.correct_repeatedly = bool(use_correction), bool(correct_repeatedly)
         self.connectivity = int(connectivity)
         self.completeness_floor = float(completeness_floor)
@@ -384,7 +392,12 @@ class FedIAClient(SegmentationSupervisedClient):
                                                            self.prob_threshold, self.connectivity)
         else:
             self.masks, changed = correct_masks(self.masks, fg_prob, self.correction_threshold)
-        self.state["corrected"], self.state["correction_pending"] = True, False
+        self.state["correction_pending"] = False
+        if changed == 0 and self.retry_empty_correction and not self.state["corrected"]:
+            self.ctx.log(f"site '{self.ctx.site}': no pixel passed the correction threshold at round {round_index}; "
+                         f"the trigger stays armed")
+            return 0
+        self.state["corrected"] = True
         self.state["correction_rounds"].append(int(round_index))
         self.state["corrected_pixels_total"] = int((self.masks > self.original_masks).sum())
         self.ctx.log(f"site '{self.ctx.site}': corrected {changed} pixels at round {round_index}")
