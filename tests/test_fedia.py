@@ -320,7 +320,7 @@ def test_client_estimates_triggers_corrects_once_and_survives_restart(tmp_path):
 
 def test_client_warmup_from_first_lesion_defers_estimate_and_trend(tmp_path):
     site, _ = lesion_masks()
-    ious = {0: 0.0, 1: 0.0, 2: 0.1, 3: 0.3, 4: 0.5, 5: 0.5}
+    ious = {0: 0.01, 1: 0.0, 2: 0.1, 3: 0.3, 4: 0.5, 5: 0.5}  # round 0: an untrained model's lucky guess
     blank = np.full((8, 8), -3.0, dtype=np.float32)  # the model marks nothing (sigmoid 0.047)
 
     def run(client, folder):
@@ -341,12 +341,12 @@ def test_client_warmup_from_first_lesion_defers_estimate_and_trend(tmp_path):
     deferred = scripted(FedIAClient(warmup_rounds=2, use_correction=False, warmup_from_first_lesion=True), ious)
     outs = run(deferred, "deferred")
     assert [o.stats["completeness_ready"] for o in outs] == [0, 0, 0, 0, 1, 1]
-    # round 4: 2 annotated / 6 predicted lesions; the trend is fitted over the rounds before it since
-    # the IoU first rose above 0: rounds 2, 3 (t = 3, 4; IoU 0.1, 0.3) -> slope 0.2, intercept -0.5
+    # round 4: 2 annotated / 6 predicted lesions; the trend is fitted over the rounds before it after
+    # the last round of IoU 0: rounds 2, 3 (t = 3, 4; IoU 0.1, 0.3) -> slope 0.2, intercept -0.5
     assert outs[4].stats["completeness"] == pytest.approx(1 / 3)
     assert deferred.state["trend"] == pytest.approx([0.2, -0.5])
-    # the paper's trend over the warm-up rounds 0, 1 (IoU 0, 0) is flat
-    assert paper.state["trend"] == pytest.approx([0.0, 0.0])
+    # the paper's trend over the warm-up rounds 0, 1 (t = 1, 2; IoU 0.01, 0) falls: -0.01 t + 0.02
+    assert paper.state["trend"] == pytest.approx([-0.01, 0.02])
 
 
 def test_client_correct_repeatedly_and_switch_off(tmp_path):

@@ -250,7 +250,7 @@ class FedIAClient(SegmentationSupervisedClient):
             trend is fitted over all of them. True (ours, for data where learning starts late, e.g.
             sparse lesions) = completeness is estimated at the first round from ``warmup_rounds`` on
             whose global model marks a lesion at the site, and the IoU trend is fitted over the
-            rounds since the site's train IoU first rose above 0 (a trend through rounds of IoU 0
+            rounds after the site's last round of train IoU 0 (a trend through rounds of IoU 0
             is too flat for the IoU ever to fall below it). The server stays on size-weighted
             FedAvg until every site has its estimate.
         retry_empty_correction: False (reference code) = the first triggered correction ends the
@@ -376,8 +376,10 @@ class FedIAClient(SegmentationSupervisedClient):
         last = self.warmup_rounds if round_index is None else max(int(round_index), self.warmup_rounds)
         warm = sorted((int(r), v) for r, v in self.state["iou_history"].items() if int(r) < last)
         if self.warmup_from_first_lesion:
-            first = next((i for i, (_, v) in enumerate(warm) if v > 0), len(warm))
-            warm = warm[first:]
+            # the current rise starts after the last round of IoU 0 (an untrained model's scattered
+            # guesses can give round 0 a small IoU before the long flat stretch)
+            last_zero = max((i for i, (_, v) in enumerate(warm) if v <= 0), default=-1)
+            warm = warm[last_zero + 1:]
         if len(warm) >= 2:
             self.state["trend"] = list(fit_iou_trend([r + 1 for r, _ in warm], [v for _, v in warm]))
         else:
