@@ -505,3 +505,23 @@ def test_shifted_test_metrics_come_from_the_shifted_images(tmp_path, monkeypatch
     plain = evaluate_split(model, test, "single-label", data.class_names, norm, "cpu")
     assert row["auc_shift"] == pytest.approx(expect["auc"]) and row["f1_shift"] == pytest.approx(expect["f1"])
     assert row["auc"] == pytest.approx(plain["auc"]) and row["auc"] != row["auc_shift"]
+
+
+def test_fedia_lesions_job_is_the_small_lesion_row_it_was_measured_as():
+    """jobs/fedia_lesions (and its FedAvg baselines) ship exactly the setting of the small-lesion
+    suites' fedia_lesionwise_late_retry row: fedia + the suite's CPU profile + the variant."""
+    from fedpartial_tools.bench import job_settings
+
+    for name in ("lesions-dicece-m2", "lesions-dicece-m3"):
+        suite = bench.SUITES[name]
+        sets = suite.overrides["cpu"] + suite.method_overrides["cpu"] + suite.variants["fedia_lesionwise_late_retry"]
+        measured, shipped = job_settings("fedia", sets), job_settings("fedia_lesions")
+        assert shipped["rule_args"] == measured["rule_args"] and shipped["num_rounds"] == measured["num_rounds"]
+        assert shipped["model"]["input_size"] == measured["model"]["input_size"] == [128, 128]
+        for baseline in ("fedavg_seg_lesions", "fedavg_seg_full_lesions"):
+            base = job_settings(baseline)
+            assert base["num_rounds"] == shipped["num_rounds"] and base["model"] == shipped["model"]
+            assert all(base["rule_args"][k] == shipped["rule_args"][k]
+                       for k in ("lr", "loss", "lesion_fraction", "batch_size", "weight_decay"))
+    assert job_settings("fedia_lesions")["rule_args"]["correction_rule"] == "lesions"
+    assert job_settings("fedia")["rule_args"]["correction_rule"] == "pixels"  # DSB2018's winner stays
