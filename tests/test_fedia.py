@@ -84,6 +84,19 @@ def run_round(client, model, r, num_rounds=10):
     return client.train_round(model, RoundInput(round=r, num_rounds=num_rounds))
 
 
+def run_with_late_model(client, ctx, first_map, rounds=6, switch_round=4):
+    """Rounds 0..rounds-1 of ``client`` on ``ctx``; the global model predicts ``first_map`` until
+    ``switch_round``, then :func:`predicted_map` (3 lesions per image, sigmoid 0.953)."""
+    model = FixedMapModel(first_map.copy())  # the buffer shares memory with its array
+    client.setup(ctx)
+    outs = []
+    for r in range(rounds):
+        if r == switch_round:
+            model.logit_map.copy_(torch.as_tensor(predicted_map()))
+        outs.append(run_round(client, model, r))
+    return outs
+
+
 # ----------------------------------------------------------------------------- lesion counting
 def test_count_lesions_touching_diagonal_and_empty():
     img = np.zeros((3, 6, 6), dtype=np.uint8)
@@ -322,24 +335,15 @@ def test_client_warmup_from_first_lesion_defers_estimate_and_trend(tmp_path):
     site, _ = lesion_masks()
     ious = {0: 0.01, 1: 0.0, 2: 0.1, 3: 0.3, 4: 0.5, 5: 0.5}  # round 0: an untrained model's lucky guess
     blank = np.full((8, 8), -3.0, dtype=np.float32)  # the model marks nothing (sigmoid 0.047)
-
-    def run(client, folder):
-        model = FixedMapModel(blank.copy())  # the buffer shares memory with its array
-        client.setup(make_ctx(tmp_path / folder, site))
-        outs = []
-        for r in range(6):
-            if r == 4:  # learning starts late: from round 4 the global model marks 3 lesions per image
-                model.logit_map.copy_(torch.as_tensor(predicted_map()))
-            outs.append(run_round(client, model, r))
-        return outs
+    # learning starts late: from round 4 the global model marks 3 lesions per image
 
     paper = scripted(FedIAClient(warmup_rounds=2, use_correction=False), ious)
-    outs = run(paper, "paper")
+    outs = run_with_late_model(paper, make_ctx(tmp_path / "paper", site), blank)
     # the paper's rule estimates at round 2 from a blank model: 1.0 for good
     assert outs[2].stats["completeness_ready"] == 1 and outs[5].stats["completeness"] == 1.0
 
     deferred = scripted(FedIAClient(warmup_rounds=2, use_correction=False, warmup_from_first_lesion=True), ious)
-    outs = run(deferred, "deferred")
+    outs = run_with_late_model(deferred, make_ctx(tmp_path / "deferred", site), blank)
     assert [o.stats["completeness_ready"] for o in outs] == [0, 0, 0, 0, 1, 1]
     # round 4: 2 annotated / 6 predicted lesions; the trend is fitted over the rounds before it after
     # the last round of IoU 0: rounds 2, 3 (t = 3, 4; IoU 0.1, 0.3) -> slope 0.2, intercept -0.5
@@ -374,26 +378,18 @@ def test_client_retry_empty_correction_keeps_the_trigger_armed(tmp_path):
     site, _ = lesion_masks()
     ious = {0: 0.1, 1: 0.2, 2: 0.25, 3: 0.1, 4: 0.1, 5: 0.1}
     unsure = predicted_map() / 3.0  # logit 1 on the lesions: sigmoid 0.73, marked (> 0.5) but < 0.8
-
-    def run(client, folder):
-        model = FixedMapModel(unsure.copy())
-        client.setup(make_ctx(tmp_path / folder, site))
-        outs = []
-        for r in range(6):
-            if r == 4:  # from round 4 the global model is sure (0.953) of the missed lesions
-                model.logit_map.copy_(torch.as_tensor(predicted_map()))
-            outs.append(run_round(client, model, r))
-        return outs
+    # from round 4 the global model is sure (0.953) of the missed lesions
 
     # trend over rounds 0, 1: IoU 0.1 t + 0 -> round 2 (t = 3): 0.25 < 0.30 - 0.03 triggers;
     # the correction at round 3 comes from the unsure model and changes nothing
-    reference = run(scripted(FedIAClient(warmup_rounds=2), ious), "reference")
+    reference = run_with_late_model(scripted(FedIAClient(warmup_rounds=2), ious),
+                                    make_ctx(tmp_path / "reference", site), unsure)
     assert [o.metrics["corrected_pixels"] for o in reference] == [0, 0, 0, 0, 0, 0]
     assert [o.stats["corrected"] for o in reference] == [0, 0, 0, 1, 1, 1]  # used up, nothing gained
     assert [o.metrics["correction_triggered"] for o in reference] == [0, 0, 1, 0, 0, 0]
 
     retry = scripted(FedIAClient(warmup_rounds=2, retry_empty_correction=True), ious)
-    outs = run(retry, "retry")
+    outs = run_with_late_model(retry, make_ctx(tmp_path / "retry", site), unsure)
     # round 3: nothing passed 0.8, the site is not corrected and round 3's IoU 0.1 < 0.4 - 0.03
     # triggers again; round 4 corrects with the sure model: the 2 missed 2x2 lesions and the 1x2
     # strip of each image = 12 pixels; afterwards the trigger is off (correct once)

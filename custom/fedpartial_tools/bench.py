@@ -124,8 +124,11 @@ SUITES: Dict[str, Suite] = {
 # The candidate rule for sparse lesions, run on both DSB2018 and the small-lesion suites: whole
 # missed lesions at 0.8, warm-up counted from the first lesion the model marks, and a correction
 # that changed nothing does not use up the site's one correction.
-_LESIONWISE_LATE_RETRY = ["rule_args.correction_rule=lesions", "rule_args.correction_threshold=0.8",
-                          "rule_args.warmup_from_first_lesion=true", "rule_args.retry_empty_correction=true"]
+# whole missed lesions instead of pixels (fedpartial.algorithms.fedia.correct_masks_lesionwise)
+_LESIONWISE = ["rule_args.correction_rule=lesions", "rule_args.correction_threshold=0.8"]
+# + warm-up counted from the first lesion the model marks (learning starts late)
+_LESIONWISE_LATE = _LESIONWISE + ["rule_args.warmup_from_first_lesion=true"]
+_LESIONWISE_LATE_RETRY = _LESIONWISE_LATE + ["rule_args.retry_empty_correction=true"]
 for _m in range(4):
     # FedIA, paper setting: site k (0..3) keeps (20k - 10m + 40) % of its lesions.
     SUITES[f"fedia-dsb-m{_m}"] = Suite(
@@ -140,9 +143,7 @@ for _m in range(4):
                   # the job ships threshold 0.95 (it won at m = 0..3; rows measured before call it
                   # fedia_threshold95 and the paper's 0.8 fedia)
                   "fedia_paper_threshold": ["rule_args.correction_threshold=0.8"],
-                  # whole missed lesions instead of pixels (fedpartial.algorithms.fedia.correct_masks_lesionwise)
-                  "fedia_lesionwise": ["rule_args.correction_rule=lesions", "rule_args.correction_threshold=0.8"],
-                  "fedia_lesionwise_late_retry": _LESIONWISE_LATE_RETRY},
+                  "fedia_lesionwise": _LESIONWISE, "fedia_lesionwise_late_retry": _LESIONWISE_LATE_RETRY},
         overrides={"cpu": ["num_rounds=30", "model.input_size=[64,64]", "rule_args.lr=0.001"],
                    "gpu": ["num_rounds=100", "model.input_size=[256,256]"]})
 
@@ -228,11 +229,7 @@ for _m in (2, 3):
                             "num_rounds": "40: 20 warm-up rounds, then 20 of FedIA proper"},
             method_overrides={"cpu": _LESION_WARMUP, "gpu": ["rule_args.warmup_rounds=40"]},
             variants={"fedia_paper_threshold": ["rule_args.correction_threshold=0.8"],
-                      "fedia_lesionwise": ["rule_args.correction_rule=lesions", "rule_args.correction_threshold=0.8"],
-                      # warm-up counted from the first lesion the model marks (learning starts late)
-                      "fedia_lesionwise_late": ["rule_args.correction_rule=lesions",
-                                                "rule_args.correction_threshold=0.8",
-                                                "rule_args.warmup_from_first_lesion=true"],
+                      "fedia_lesionwise": _LESIONWISE, "fedia_lesionwise_late": _LESIONWISE_LATE,
                       "fedia_lesionwise_late_retry": _LESIONWISE_LATE_RETRY},
             overrides={"cpu": _LESION_CPU + _extra,
                        "gpu": ["num_rounds=100", "model.input_size=[128,128]", "rule_args.lr=0.01"] + _extra})
