@@ -115,10 +115,12 @@ SUITES: Dict[str, Suite] = {
                                    "gpu": ["model.arch=densenet121", "model.arch_args={\"dropout\":0.2}",
                                            "num_rounds=100"]},
                         # the method's own recipe on the labelled sites alone: the like-for-like lower bound
+                        # the job ships our rule (issue 19: the lowest-entropy half of each batch is
+                        # reliable, unlabelled sites weigh a quarter; it won AUC on every seed, 0.915
+                        # vs 0.904; rows measured before call it fedirm_rel50_w025 and the paper rule
+                        # fedirm); fedirm_paper = the paper's ln 2 filter and plain sample weighting
                         variants={"fedirm_labelled_only": ["rule_args.unlabelled_start_round=1000000"],
-                                  # issue 19: pseudo labels that keep coming, unlabelled sites weighed less
-                                  "fedirm_rel50_w025": ["rule_args.reliable_fraction=0.5",
-                                                        "rule_args.unlabelled_weight=0.25"]},
+                                  "fedirm_paper": ["rule_args.reliable_fraction=0.0", "rule_args.unlabelled_weight=1.0"]},
                         datasets={"gpu": "ham10000_64.npz"}),
 }
 # The candidate rule for sparse lesions, run on both DSB2018 and the small-lesion suites: whole
