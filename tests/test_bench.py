@@ -117,6 +117,18 @@ def test_fedirm_precision_without_reliable_labels_is_undefined(tmp_path):
     assert _table_rows(table)[0] == ["0.600", "0.250"]
 
 
+def test_report_without_reference_labels_does_not_claim_them(tmp_path):
+    # a FedIRM run without --diagnostics logs reliable_fraction only: no comparison with hidden labels
+    _write_metrics(str(tmp_path / "fedirm-ham" / "seed0" / "fedirm" / "metrics.json"),
+                   [{"site-1": {"reliable_fraction": 0.5}}])
+    md = bench.write_pseudo_label_report(str(tmp_path), "fedirm-ham", log=lambda *_: None)
+    assert "no hidden labels" in md and "against the hidden complete labels" not in md
+    assert _table_rows(md)[0] == ["0.500"]
+    _write_metrics(str(tmp_path / "fedirm-ham" / "seed0" / "fedirm" / "metrics.json"),
+                   [{"site-1": {"reliable_fraction": 0.5, "pseudo_precision": 0.9}}])
+    assert "against the hidden complete labels" in bench.write_pseudo_label_report(str(tmp_path), "fedirm-ham")
+
+
 def test_fedmlp_macro_over_classes_not_over_tag_kinds(tmp_path):
     # per-class keys: macro tag_precision = mean over the classes present at a site, then over sites:
     #   site-1 (0.5 + 1.0)/2 = 0.75, site-2 0.7 -> 0.725; tag_recall: site-1 0.2 only -> 0.2.

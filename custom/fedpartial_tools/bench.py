@@ -553,6 +553,7 @@ def plot_results(rows: List[dict], out_dir: str) -> None:
 DIAGNOSTIC_KEYS = ("pseudo_precision", "pseudo_recall", "pseudo_neg_precision", "corrected_precision",
                    "corrected_recall_missing", "reliable_fraction")
 DIAGNOSTIC_PREFIXES = ("tag_precision_", "tag_recall_")
+WITHOUT_REFERENCE = ("reliable_fraction",)  # logged whether or not the job has reference labels
 TAG_KINDS = ("pos", "neg")  # FedMLP suffixes that are tag kinds, not classes: no macro over them
 # How many pseudo labels a key is about (the count column of <suite>_pseudo_labels.csv).
 COUNT_KEYS = {"pseudo_precision": "num_pseudo_positive", "pseudo_recall": "num_pseudo_positive",
@@ -742,8 +743,12 @@ def write_pseudo_label_report(out_dir: str, name: str, job: Optional[str] = None
             w.writerow({k: ("" if r[k] is None else r[k]) for k in PSEUDO_FIELDS})
     seeds = sorted({r["seed"] for r in records})
     sites = sorted({r["site"] for r in records}, key=lambda s: (len(s), s))
-    md = (f"\n**{name}**: pseudo-label quality of `{job}` against the hidden complete labels "
-          f"(`--diagnostics`), {len(sites)} sites, seeds {seeds}. Per round (as numbered in metrics.json, "
+    # reliable_fraction is logged without reference labels: a run without --diagnostics has only it
+    if {r["key"] for r in records} <= set(WITHOUT_REFERENCE):
+        about = f"pseudo-label diagnostics of `{job}` (no hidden labels: the run had no `--diagnostics`)"
+    else:
+        about = f"pseudo-label quality of `{job}` against the hidden complete labels (`--diagnostics`)"
+    md = (f"\n**{name}**: {about}, {len(sites)} sites, seeds {seeds}. Per round (as numbered in metrics.json, "
           f"from 0): mean over sites, then mean ± std over seeds. A precision is left out at a site and "
           f"round where it made no pseudo label.\n\n" + pseudo_label_table(records, every))
     with open(os.path.join(out_dir, f"{name}_pseudo_labels.md"), "w") as f:
