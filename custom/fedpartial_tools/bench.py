@@ -115,11 +115,11 @@ SUITES: Dict[str, Suite] = {
                                    "gpu": ["model.arch=densenet121", "model.arch_args={\"dropout\":0.2}",
                                            "num_rounds=100"]},
                         # the method's own recipe on the labelled sites alone: the like-for-like lower bound
-                        # the job ships our rule (issue 19: the lowest-entropy half of each batch is
-                        # reliable, unlabelled sites weigh a quarter; it won AUC on every seed, 0.915
-                        # vs 0.904; rows measured before call it fedirm_rel50_w025 and the paper rule
-                        # fedirm); fedirm_paper = the paper's ln 2 filter and plain sample weighting
                         variants={"fedirm_labelled_only": ["rule_args.unlabelled_start_round=1000000"],
+                                  # the job ships our rule (issue 19: lowest-entropy half reliable,
+                                  # unlabelled sites weigh a quarter; it won AUC on every seed, see
+                                  # docs/RESULTS.md; rows measured before call it fedirm_rel50_w025 and the
+                                  # paper rule fedirm): the paper's ln 2 filter and plain sample weighting
                                   "fedirm_paper": ["rule_args.reliable_fraction=0.0", "rule_args.unlabelled_weight=1.0"]},
                         datasets={"gpu": "ham10000_64.npz"}),
 }
