@@ -8,7 +8,7 @@ import torch
 
 from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext, SiteUpdate
 from fedpartial.algorithms.fedmlp import (FedMLPClient, FedMLPServer, average_prototypes, class_prototypes,
-                                          consistency_loss, global_learning_degree, learning_degree, logit_adjustment,
+                                          consistency_loss, loss_entries, global_learning_degree, learning_degree, logit_adjustment,
                                           positive_rates, positive_tag_budget, prototype_scores, select_tags,
                                           wpc_loss, class_prevalence)
 from fedpartial.data.types import DataError, Dataset, Split
@@ -195,6 +195,59 @@ def test_min_prototype_samples_drops_small_prototypes():
     assert gs["prototype_valid"].tolist() == [True, False, False]
 
 
+def test_classifier_rows_annotated_averages_each_row_over_its_annotating_sites():
+    # site A (10 samples) annotates class 0, B (30) classes 0 and 1; class 2 is annotated nowhere
+    a = SiteUpdate("site-A", {"fc.weight": np.array([[1.0, 1.0], [5.0, 5.0], [1.0, 1.0]]),
+                              "fc.bias": np.array([1.0, 5.0, 1.0]), "w": np.array([1.0])}, 10,
+                   {"annotated_classes": np.array([1.0, 0.0, 0.0])})
+    b = SiteUpdate("site-B", {"fc.weight": np.array([[3.0, 3.0], [2.0, 2.0], [3.0, 3.0]]),
+                              "fc.bias": np.array([3.0, 2.0, 3.0]), "w": np.array([3.0])}, 30,
+                   {"annotated_classes": np.array([1.0, 1.0, 0.0])})
+    ctx = _server_ctx()
+    server = FedMLPServer(classifier_rows="annotated")
+    for u in (a, b):
+        server.check_stats(u, ctx)
+    weights, gs = server.aggregate([a, b], ctx)
+    # row 0: A and B by size (10*1 + 30*3)/40 = 2.5; row 1: B alone = 2 (FedAvg would give 2.75);
+    # row 2: nowhere annotated -> FedAvg 2.5; the body stays FedAvg: (10*1 + 30*3)/40 = 2.5
+    np.testing.assert_allclose(weights["fc.weight"][:, 0], [2.5, 2.0, 2.5])
+    np.testing.assert_allclose(weights["fc.bias"], [2.5, 2.0, 2.5])
+    assert weights["w"][0] == pytest.approx(2.5) and gs["stage"] == 1
+    plain, _ = FedMLPServer().aggregate([a, b], ctx)
+    np.testing.assert_allclose(plain["fc.bias"], [2.5, 2.75, 2.5])  # the paper's rule: FedAvg
+    with pytest.raises(ValueError, match="annotated_classes.*site-C"):
+        server.check_stats(SiteUpdate("site-C", a.weights, 10, {}), ctx)
+    with pytest.raises(ValueError, match="annotated_classes.*site-C"):
+        server.check_stats(SiteUpdate("site-C", a.weights, 10, {"annotated_classes": np.array([1.0, 0.5])}), ctx)
+    with pytest.raises(ValueError, match="classifier_rows 'masked' unknown"):
+        FedMLPServer(classifier_rows="masked")
+
+
+def test_loss_entries_weights_untagged_missing_entries_as_assumed_negatives():
+    labels = np.array([[1, 0, 0], [0, 1, 1]], dtype=np.float32)
+    label_mask = np.array([[True, False, False], [True, False, False]])  # class 0 annotated only
+    tags = np.array([[-1, 1, -1], [-1, -1, 0]], dtype=np.int8)  # (0,1) tagged positive, (1,2) negative
+    targets, weights, cr = loss_entries(labels, label_mask, tags)
+    # the hidden labels of the missing classes (row 1: 1, 1) are never read; untagged -> 0
+    np.testing.assert_array_equal(targets, [[1, 1, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(weights, [[1, 1, 0], [1, 0, 1]])  # paper: untagged missing left out
+    np.testing.assert_array_equal(cr, [[0, 0, 1], [0, 1, 0]])
+    _, weights, cr2 = loss_entries(labels, label_mask, tags, assumed_negative_weight=0.25)
+    np.testing.assert_array_equal(weights, [[1, 1, 0.25], [1, 0.25, 1]])
+    np.testing.assert_array_equal(cr2, cr)
+    # the WPC term with these weights: (2 entries of BCE(0, 1) ... ) worked out on logits 0:
+    # every entry costs ln 2, so the weighted mean is ln 2 whatever the weights
+    loss = wpc_loss(torch.zeros(2, 3), torch.from_numpy(targets), torch.from_numpy(weights))
+    assert float(loss) == pytest.approx(np.log(2.0), rel=1e-6)
+    # logits +1 on the assumed negatives only: their BCE is ln(1 + e) = 1.3133, weight 0.25 each;
+    # 4 entries at ln 2 -> (4 ln 2 + 0.5 * 1.3133) / 4.5
+    logits = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    loss = wpc_loss(logits, torch.from_numpy(targets), torch.from_numpy(weights))
+    assert float(loss) == pytest.approx((4 * np.log(2.0) + 0.5 * np.log1p(np.e)) / 4.5, rel=1e-6)
+    with pytest.raises(ValueError, match="assumed_negative_weight"):
+        FedMLPClient(assumed_negative_weight=2.0)
+
+
 def test_average_helpers_directly():
     protos, valid = average_prototypes([np.array([[2.0]]), np.array([[4.0]])], [np.array([1.0]), np.array([1.0])],
                                        [np.array([True]), np.array([True])], [1.0, 3.0])
@@ -284,12 +337,15 @@ def test_stage_switch_at_warmup_rounds(tmp_path):
     client.setup(_ctx(tmp_path, data))
     model = _model()
     r0 = client.train_round(model, RoundInput(round=0, num_rounds=4))
-    assert r0.metrics["stage"] == 1 and r0.stats == {} and r0.num_samples == N
+    # warm-up sends only which classes the site's ground truth trains (classifier_rows="annotated")
+    assert r0.metrics["stage"] == 1 and set(r0.stats) == {"annotated_classes"} and r0.num_samples == N
+    assert r0.stats["annotated_classes"].tolist() == [1.0, 0.0, 0.0]
     assert r0.metrics["loss_cr"] == 0.0 and r0.metrics["train_steps"] == 2  # 40 samples, batch 16, drop last
     r1 = client.train_round(model, RoundInput(round=1, num_rounds=4))
     # last warm-up round: still stage 1 but stats are sent (Algorithm 1, t = t1)
     assert r1.metrics["stage"] == 1 and set(r1.stats) == {"prototypes_neg", "prototypes_pos", "prototype_counts_neg",
-                                                          "prototype_counts_pos", "learning_degree", "annotated"}
+                                                          "prototype_counts_pos", "learning_degree", "annotated",
+                                                          "annotated_classes"}
     assert r1.stats["annotated"].tolist() == [True, False, False]
     assert r1.stats["prototype_counts_neg"][1:].tolist() == [0, 0]
     assert r1.stats["learning_degree"][1:].tolist() == [0, 0]

@@ -101,12 +101,19 @@ SUITES: Dict[str, Suite] = {
     "fedmlp-ctich": Suite("ct_ich_128.npz", "label-set-mismatch", {"classes_per_site": 1}, 5, "fedmlp_ctich",
                           "fedavg", "fedavg_full", ["fedavg_partial_loss"], metrics=["auc", "map", "bacc", "f1"],
                           # positive tags capped by the class's prevalence at the annotating sites
-                          variants={"fedmlp_prevalence_cap": ["rule_args.positive_tag_cap=prevalence"]},
+                          variants={"fedmlp_prevalence_cap": ["rule_args.positive_tag_cap=prevalence"],
+                                    # issue 19's combination: FedLSM's class-wise row averaging (over the
+                                    # annotating sites) for FedMLP's classifier
+                                    "fedmlp_annotated_rows": ["rule_args.classifier_rows=annotated"],
+                                    # issue 19: untagged missing entries count as negatives (weight 1),
+                                    # as FedAvg counts them; right for 94-99 % of them at this prevalence
+                                    "fedmlp_assumed_negative": ["rule_args.assumed_negative_weight=1.0"]},
                           overrides={"cpu": _CPU_CLS + ["num_rounds=30", "model.input_size=[64,64]"],
                                      "gpu": ["model.arch=resnet18", "model.arch_args={}", "num_rounds=100"]}),
     "fedmlp-nih": Suite("nih_chestxray14_64.npz", "missing-classes", {"missing_per_site": 7}, 8, "fedmlp",
                         "fedavg", "fedavg_full", ["fedavg_partial_loss"], metrics=["auc", "map", "bacc", "f1"],
-                        variants={"fedmlp_prevalence_cap": ["rule_args.positive_tag_cap=prevalence"]},
+                        variants={"fedmlp_prevalence_cap": ["rule_args.positive_tag_cap=prevalence"],
+                                  "fedmlp_annotated_rows": ["rule_args.classifier_rows=annotated"]},
                         overrides={"cpu": _CPU_CLS + ["num_rounds=30"],
                                    "gpu": ["model.arch=resnet18", "model.arch_args={}", "num_rounds=100"]}),
     "fedirm-ham": Suite("ham10000_28.npz", "semi-supervised", {"labelled_sites": 2}, 10, "fedirm", "fedavg",

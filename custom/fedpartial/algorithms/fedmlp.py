@@ -46,6 +46,13 @@ site never holds more positive tags of a class than the class's prevalence at th
 (from the positive / negative prototype counts they already send) times its size; the server
 sends ``prevalence`` with the global prototypes.
 
+Option beyond the paper (``classifier_rows="annotated"`` on the server, off in the paper setting;
+issue 19's "FedLSM's AWPA with FedMLP's prototypes"): the classifier row of class c is averaged
+over the sites that annotate c only (FedLSM's class-wise proxy averaging, with the annotated
+sites' sizes as counts), so that the sites which only tag or regularise c do not dilute the one
+whose ground truth trains it; the body stays FedAvg. Each site sends ``annotated_classes`` (0/1
+per class) every round for it.
+
 Departures from the paper:
     * The WPC loss is a mean over the entries used (annotated + tagged) in the batch, not the
       paper's sum / C: its denominator grows as MLD tags entries, so a tag does not raise the loss
@@ -66,6 +73,7 @@ import torch.nn.functional as F
 
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
 from fedpartial.algorithms.fedavg import fedavg_weights
+from fedpartial.algorithms.fedlsm import awpa_rows
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, DataError
 from fedpartial.training.common import (batch_indices, images_to_tensor, masked_bce_with_logits, predict,
@@ -73,6 +81,9 @@ from fedpartial.training.common import (batch_indices, images_to_tensor, masked_
 
 #: ``positive_tag_cap`` choices: the paper's rank rule alone, or capped by the class's prevalence
 POSITIVE_TAG_CAPS = ("none", "prevalence")
+
+#: ``classifier_rows`` choices of the server: FedAvg (paper) or averaged over the annotating sites
+CLASSIFIER_ROWS = ("fedavg", "annotated")
 
 #: keys of the per-site statistics (sent from the end of warm-up on)
 STAT_KEYS = ("prototypes_neg", "prototypes_pos", "prototype_counts_neg", "prototype_counts_pos", "learning_degree",
@@ -331,6 +342,50 @@ def global_learning_degree(degrees: List[np.ndarray], annotated: List[np.ndarray
 # Persistent tags
 # ----------------------------------------------------------------------------------------------
 
+def annotated_rows(updates: List[SiteUpdate], classifier_names: List[str]) -> Dict[str, np.ndarray]:
+    """Classifier parameters averaged row by row over the sites that annotate each class, each
+    weighted by its size (FedLSM's AWPA with the annotated entries as counts); a class annotated
+    at no site is averaged over every site.
+
+    Args:
+        updates: the round's site updates; each with ``stats["annotated_classes"]`` (C,) 0/1.
+        classifier_names: the classifier parameters (first dimension = classes).
+    """
+    used = [u for u in updates if u.num_samples > 0]
+    sizes = np.array([u.num_samples for u in used], dtype=np.float64)
+    flags = np.stack([np.asarray(u.stats["annotated_classes"], dtype=np.float64) > 0.5 for u in used])
+    out = {}
+    for name in classifier_names:
+        first = np.asarray(used[0].weights[name])
+        if first.shape[0] != flags.shape[1]:
+            raise ValueError(f"classifier parameter '{name}' has {first.shape[0]} rows, but the sites' "
+                             f"annotated_classes name {flags.shape[1]} classes")
+        out[name] = awpa_rows([u.weights[name] for u in used], flags * sizes[:, None], sizes).astype(first.dtype)
+    return out
+
+
+def loss_entries(labels: np.ndarray, label_mask: np.ndarray, tags: np.ndarray, assumed_negative_weight: float = 0.0
+                 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Targets and per-entry weights of the WPC term, and the consistency mask.
+
+    Args:
+        labels: ``(N, C)`` 0/1 ground truth (read where ``label_mask`` is 1).
+        label_mask: ``(N, C)`` bool, annotated entries.
+        tags: ``(N, C)`` int8: 0 / 1 tagged negative / positive, ``UNTAGGED`` (-1) otherwise.
+        assumed_negative_weight: weight of an untagged missing entry as a negative (0 = paper).
+
+    Returns:
+        ``(targets, weights, cr_mask)``, float32 ``(N, C)`` each: targets are the labels where
+        annotated and the tags elsewhere (0 when untagged); weights are 1 on annotated and tagged
+        entries and ``assumed_negative_weight`` on untagged missing ones (where ``cr_mask`` is 1).
+    """
+    label_mask = np.asarray(label_mask).astype(bool)
+    untagged_missing = ~label_mask & (tags == UNTAGGED)
+    targets = np.where(label_mask, labels, tags == 1).astype(np.float32)
+    weights = np.where(untagged_missing, float(assumed_negative_weight), 1.0).astype(np.float32)
+    return targets, weights, untagged_missing.astype(np.float32)
+
+
 def _mask_fingerprint(label_mask: np.ndarray) -> int:
     """Cheap checksum of the label mask, so tags saved for other data are not reused."""
     m = np.asarray(label_mask, dtype=np.int64)
@@ -385,6 +440,9 @@ class FedMLPClient(ClientRule):
             prevalence at the annotating sites x its size (see :func:`positive_tag_budget`).
         positive_tag_scale: the cap's factor (1 = as many as the prevalence predicts).
         prediction_batch_size: batch size of the no-gradient passes (features, probabilities).
+        assumed_negative_weight: weight of the still-untagged missing entries as negatives in the
+            WPC term (0 = the paper: they are left out; 1 = as FedAvg on partial labels counts
+            them). The logit adjustment keeps its rates from the annotated + tagged entries.
     """
 
     task_kind = "classification"
@@ -394,7 +452,8 @@ class FedMLPClient(ClientRule):
                  augmentation: str = "weak", low: float = 0.3, high: float = 0.7, la_tau: float = 1.0,
                  la_eps: float = 1e-3, cr_weight: float = 1.0, use_mld: bool = True, use_wpc: bool = True,
                  use_cr: bool = True, use_adaptive_threshold: bool = True, prediction_batch_size: int = 256,
-                 positive_tag_cap: str = "none", positive_tag_scale: float = 1.0):
+                 positive_tag_cap: str = "none", positive_tag_scale: float = 1.0,
+                 assumed_negative_weight: float = 0.0):
         if int(warmup_rounds) < 1:
             raise ValueError(f"FedMLP warmup_rounds must be >= 1 (prototypes come from a warmed-up model), "
                              f"got {warmup_rounds}")
@@ -418,6 +477,9 @@ class FedMLPClient(ClientRule):
         if float(positive_tag_scale) <= 0:
             raise ValueError(f"FedMLP positive_tag_scale must be > 0, got {positive_tag_scale}")
         self.positive_tag_cap, self.positive_tag_scale = positive_tag_cap, float(positive_tag_scale)
+        if not 0.0 <= float(assumed_negative_weight) <= 1.0:
+            raise ValueError(f"FedMLP assumed_negative_weight must lie in [0, 1], got {assumed_negative_weight}")
+        self.assumed_negative_weight = float(assumed_negative_weight)
 
     # -- set-up and persistent state -------------------------------------------------------------
     def setup(self, ctx) -> None:
@@ -547,12 +609,11 @@ class FedMLPClient(ClientRule):
 
         tags = self.tags if self.use_mld else np.full_like(self.tags, UNTAGGED)
         tagged = ~self.mask_np & (tags >= 0)
-        train_mask = torch.from_numpy((self.mask_np | tagged).astype(np.float32))
-        targets = torch.from_numpy(np.where(self.mask_np, self.labels_np, (tags == 1)).astype(np.float32))
-        cr_mask = torch.from_numpy((~self.mask_np & (tags == UNTAGGED)).astype(np.float32))
+        targets_np, weights_np, cr_np = loss_entries(self.labels_np, self.mask_np, tags, self.assumed_negative_weight)
+        targets, loss_weights, cr_mask = (torch.from_numpy(a) for a in (targets_np, weights_np, cr_np))
         offset = None
-        if self.use_wpc:
-            offset = logit_adjustment(positive_rates(targets, train_mask), self.la_tau, self.la_eps)
+        if self.use_wpc:  # rates from the annotated + tagged entries only, never the assumed negatives
+            offset = logit_adjustment(positive_rates(targets, 1.0 - cr_mask), self.la_tau, self.la_eps)
 
         optimizer = torch.optim.Adam(model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
         model.train()
@@ -561,7 +622,7 @@ class FedMLPClient(ClientRule):
             for idx in batch_indices(n, self.batch_size, rng, drop_last=True):
                 if self.ctx.abort():
                     return RoundResult(num_samples=n, metrics=metrics)
-                y, m = targets[idx].to(device), train_mask[idx].to(device)
+                y, m = targets[idx].to(device), loss_weights[idx].to(device)
                 loss_sup = loss_cr = torch.zeros((), device=device)
                 for _v in range(self.num_views):
                     x = self._augment(self.images[idx]).to(device, non_blocking=True)
@@ -593,6 +654,9 @@ class FedMLPClient(ClientRule):
             metrics.update(self._tag_quality())
 
         stats = self.local_stats(model) if self.sends_stats(inp.round) else {}
+        # every round (warm-up too): which classes this site's ground truth trains, for the
+        # server's ``classifier_rows="annotated"``
+        stats["annotated_classes"] = self.annotated.astype(np.float64)
         return RoundResult(num_samples=n, stats=stats, metrics=metrics)
 
     def local_stats(self, model) -> Dict[str, np.ndarray]:
@@ -618,17 +682,25 @@ class FedMLPServer(ServerRule):
         t1: T1, base fraction of positives tagged per round (paper 1 % = 0.01).
         min_prototype_samples: a site prototype from fewer samples counts as absent (1 = use
             every non-empty prototype, as the paper).
+        classifier_rows: ``fedavg`` (paper: the classifier is averaged like every other layer) or
+            ``annotated`` (FedLSM's class-wise row averaging, :func:`fedpartial.algorithms.fedlsm.awpa_rows`,
+            over the sites whose ground truth trains the class, weighted by their size; a class
+            annotated nowhere keeps FedAvg). Needs the sites' ``annotated_classes``.
     """
 
     needs_classifier_names = True
 
-    def __init__(self, t0: float = 0.005, t1: float = 0.01, min_prototype_samples: int = 1):
+    def __init__(self, t0: float = 0.005, t1: float = 0.01, min_prototype_samples: int = 1,
+                 classifier_rows: str = "fedavg"):
         for name, v in (("t0", t0), ("t1", t1)):
             if not 0.0 <= float(v) <= 1.0:
                 raise ValueError(f"FedMLP {name} must be a fraction in [0, 1], got {v}")
         if int(min_prototype_samples) < 1:
             raise ValueError(f"FedMLP min_prototype_samples must be >= 1, got {min_prototype_samples}")
+        if classifier_rows not in CLASSIFIER_ROWS:
+            raise ValueError(f"FedMLP classifier_rows '{classifier_rows}' unknown; choose one of {CLASSIFIER_ROWS}")
         self.t0, self.t1, self.min_prototype_samples = float(t0), float(t1), int(min_prototype_samples)
+        self.classifier_rows = classifier_rows
 
     @staticmethod
     def _expected_shape(ctx: ServerContext) -> Tuple[Optional[int], Optional[int]]:
@@ -641,6 +713,16 @@ class FedMLPServer(ServerRule):
 
     def check_stats(self, update: SiteUpdate, ctx: ServerContext) -> None:
         stats = update.stats or {}
+        if self.classifier_rows == "annotated" and update.num_samples > 0:
+            exp_c = self._expected_shape(ctx)[0]
+            if "annotated_classes" not in stats:
+                raise ValueError(f"FedMLP classifier_rows='annotated' needs statistic 'annotated_classes' from "
+                                 f"site '{update.site}', which sent none")
+            flags = np.asarray(stats["annotated_classes"], dtype=np.float64)
+            if flags.ndim != 1 or (exp_c is not None and flags.shape != (exp_c,)) or \
+                    not np.isin(flags, (0.0, 1.0)).all():
+                raise ValueError(f"FedMLP stat 'annotated_classes' from site '{update.site}' must be {exp_c} "
+                                 f"values of 0/1, got shape {flags.shape}")
         present = [k for k in STAT_KEYS if k in stats]
         if not present:
             return  # warm-up rounds send no statistics
@@ -674,6 +756,8 @@ class FedMLPServer(ServerRule):
 
     def aggregate(self, updates: List[SiteUpdate], ctx: ServerContext):
         weights = fedavg_weights(updates)
+        if self.classifier_rows == "annotated":
+            weights.update(annotated_rows(updates, ctx.classifier_param_names))
         with_stats = [u for u in updates if u.num_samples > 0 and u.stats and "prototypes_neg" in u.stats]
         if not with_stats:
             return weights, {"stage": 1, "t0": self.t0, "t1": self.t1}
