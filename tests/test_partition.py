@@ -78,6 +78,25 @@ def test_label_set_mismatch_multi_label_counts():
     assert "test" not in sites[0].splits  # the test split stays in the source file
 
 
+def test_warns_about_a_class_whose_annotating_sites_hold_none_of_its_positives(capsys):
+    sites, _, summary = partition(_dataset(), "label-set-mismatch", sites=3, seed=0, class_sets=[CLASSES] * 3)
+    patients = [_patient(s) for s in sites]
+    assert summary["warnings"] == []  # every class annotated everywhere
+    # c's 4 positives all belong to patient 1: annotate c only at a site holding another patient,
+    # and b (patient 0: 2 positives, patient 2: 1) only where patient 1 is (no b there)
+    at_patient = {p: k for k, p in enumerate(patients)}
+    sets = [[] for _ in range(3)]
+    sets[at_patient[0]] = ["a", "c"]
+    sets[at_patient[1]] = ["b"]
+    sets[at_patient[2]] = ["d"]
+    _, _, summary = partition(_dataset(), "label-set-mismatch", sites=3, seed=0, class_sets=sets)
+    assert summary["totals"]["annotated_positives"] == {"a": 4, "b": 0, "c": 0, "d": 3}
+    assert len(summary["warnings"]) == 2
+    assert "class 'b' has 3 positive training images, none at a site that annotates it" in summary["warnings"][0]
+    assert "class 'c' has 4 positive training images" in summary["warnings"][1]
+    assert "WARNING: class 'c'" in part.summary_markdown(summary)
+
+
 def test_label_set_mismatch_single_label_zero_rows():
     sets = [[0, 1], [2, 3], [1, 3]]
     sites, _, summary = partition(_dataset("single-label"), "label-set-mismatch", sites=3, seed=4, class_sets=sets)

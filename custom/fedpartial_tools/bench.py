@@ -112,8 +112,7 @@ SUITES: Dict[str, Suite] = {
                                      "gpu": ["model.arch=resnet18", "model.arch_args={}", "num_rounds=100"]}),
     "fedmlp-nih": Suite("nih_chestxray14_64.npz", "missing-classes", {"missing_per_site": 7}, 8, "fedmlp",
                         "fedavg", "fedavg_full", ["fedavg_partial_loss"], metrics=["auc", "map", "bacc", "f1"],
-                        variants={"fedmlp_prevalence_cap": ["rule_args.positive_tag_cap=prevalence"],
-                                  "fedmlp_annotated_rows": ["rule_args.classifier_rows=annotated"]},
+                        variants={"fedmlp_prevalence_cap": ["rule_args.positive_tag_cap=prevalence"]},
                         overrides={"cpu": _CPU_CLS + ["num_rounds=30"],
                                    "gpu": ["model.arch=resnet18", "model.arch_args={}", "num_rounds=100"]}),
     "fedirm-ham": Suite("ham10000_28.npz", "semi-supervised", {"labelled_sites": 2}, 10, "fedirm", "fedavg",
@@ -319,7 +318,10 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
         split_dir = os.path.join(out_dir, name, f"seed{seed}", "sites")
         summary_path = os.path.join(split_dir, "split_summary.json")
         if not os.path.isfile(summary_path):
-            split_file(source, suite.scenario, sites=suite.sites, seed=seed, out=split_dir, **suite.split_options)
+            made = split_file(source, suite.scenario, sites=suite.sites, seed=seed, out=split_dir,
+                              **suite.split_options)
+            for warning in (made or {}).get("warnings", []):
+                print(f"{name} seed {seed}: WARNING: {warning}", flush=True)
         else:
             made_from = os.path.basename(str(json.load(open(summary_path)).get("source", "")))
             if made_from and made_from != os.path.basename(source):

@@ -267,7 +267,26 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
                                  info))
         refs.append(Dataset(dataset.task, class_names, {"train": ref_train, "val": va}, dataset.source, name,
                             dict(info, reference=True)))
+    summary["warnings"] = unlearnable_class_warnings(summary)
     return site_sets, refs, summary
+
+
+def unlearnable_class_warnings(summary: dict) -> List[str]:
+    """A line per class that has training positives, but none at a site that annotates it: no
+    partial-label method sees one of its positives as such (CT-ICH, 5 sites x 1 subtype, seed 0:
+    Intraventricular and Subarachnoid).
+
+    Args:
+        summary: :func:`partition`'s summary (``totals`` with ``annotated_positives`` and
+            ``hidden_positives``).
+    """
+    totals = summary.get("totals", {})
+    annotated, hidden = totals.get("annotated_positives"), totals.get("hidden_positives")
+    if not annotated or not hidden:
+        return []
+    return [f"class '{c}' has {hidden[c]} positive training images, none at a site that annotates it: only the "
+            f"full-label baseline learns it from its positives (give --class-sets, or another --seed)"
+            for c in summary["class_names"] if annotated[c] == 0 and hidden[c] > 0]
 
 
 def summary_markdown(summary: dict) -> str:
@@ -296,6 +315,8 @@ def summary_markdown(summary: dict) -> str:
         lines.append(f"| total | {t['n_train']} | " + " | ".join(
             f"{t['annotated_positives'][c]} ({t['hidden_positives'][c]})" for c in classes) + " |")
         lines += ["", "Total row: annotated positives (hidden positives) over all sites."]
+    if summary.get("warnings"):
+        lines += [""] + [f"WARNING: {w}" for w in summary["warnings"]]
     return "\n".join(lines) + "\n"
 
 
