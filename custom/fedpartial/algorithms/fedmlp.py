@@ -51,7 +51,10 @@ issue 19's "FedLSM's AWPA with FedMLP's prototypes"): the classifier row of clas
 over the sites that annotate c only (FedLSM's class-wise proxy averaging, with the annotated
 sites' sizes as counts), so that the sites which only tag or regularise c do not dilute the one
 whose ground truth trains it; the body stays FedAvg. Each site sends ``annotated_classes`` (0/1
-per class) every round for it.
+per class) every round for it. And ``assumed_negative_weight`` on the clients: untagged missing
+entries count as negatives with that weight in the WPC term, as FedAvg on partial labels counts
+them. On CT-ICH both lost AUC to the paper rule on every seed (docs/RESULTS.md); the jobs keep
+them off.
 
 Departures from the paper:
     * The WPC loss is a mean over the entries used (annotated + tagged) in the batch, not the
@@ -338,10 +341,6 @@ def global_learning_degree(degrees: List[np.ndarray], annotated: List[np.ndarray
     return np.where(total > 0, (w * d).sum(0) / np.where(total > 0, total, 1.0), 0.0)
 
 
-# ----------------------------------------------------------------------------------------------
-# Persistent tags
-# ----------------------------------------------------------------------------------------------
-
 def annotated_rows(updates: List[SiteUpdate], classifier_names: List[str]) -> Dict[str, np.ndarray]:
     """Classifier parameters averaged row by row over the sites that annotate each class, each
     weighted by its size (FedLSM's AWPA with the annotated entries as counts); a class annotated
@@ -385,6 +384,10 @@ def loss_entries(labels: np.ndarray, label_mask: np.ndarray, tags: np.ndarray, a
     weights = np.where(untagged_missing, float(assumed_negative_weight), 1.0).astype(np.float32)
     return targets, weights, untagged_missing.astype(np.float32)
 
+
+# ----------------------------------------------------------------------------------------------
+# Persistent tags
+# ----------------------------------------------------------------------------------------------
 
 def _mask_fingerprint(label_mask: np.ndarray) -> int:
     """Cheap checksum of the label mask, so tags saved for other data are not reused."""
