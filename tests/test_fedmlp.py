@@ -8,9 +8,9 @@ import torch
 
 from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext, SiteUpdate
 from fedpartial.algorithms.fedmlp import (FedMLPClient, FedMLPServer, average_prototypes, class_prototypes,
-                                          consistency_loss, loss_entries, global_learning_degree, learning_degree, logit_adjustment,
-                                          positive_rates, positive_tag_budget, prototype_scores, select_tags,
-                                          wpc_loss, class_prevalence)
+                                          consistency_loss, global_learning_degree, learning_degree, logit_adjustment,
+                                          loss_entries, positive_rates, positive_tag_budget, prototype_scores,
+                                          select_tags, wpc_loss, class_prevalence)
 from fedpartial.data.types import DataError, Dataset, Split
 from fedpartial.models import build_model
 from fedpartial.training.common import predict
@@ -235,8 +235,8 @@ def test_loss_entries_weights_untagged_missing_entries_as_assumed_negatives():
     _, weights, cr2 = loss_entries(labels, label_mask, tags, assumed_negative_weight=0.25)
     np.testing.assert_array_equal(weights, [[1, 1, 0.25], [1, 0.25, 1]])
     np.testing.assert_array_equal(cr2, cr)
-    # the WPC term with these weights: (2 entries of BCE(0, 1) ... ) worked out on logits 0:
-    # every entry costs ln 2, so the weighted mean is ln 2 whatever the weights
+    # the WPC term with these weights on logits 0: every entry costs ln 2, so the weighted mean
+    # is ln 2 whatever the weights
     loss = wpc_loss(torch.zeros(2, 3), torch.from_numpy(targets), torch.from_numpy(weights))
     assert float(loss) == pytest.approx(np.log(2.0), rel=1e-6)
     # logits +1 on the assumed negatives only: their BCE is ln(1 + e) = 1.3133, weight 0.25 each;

@@ -78,7 +78,7 @@ def test_label_set_mismatch_multi_label_counts():
     assert "test" not in sites[0].splits  # the test split stays in the source file
 
 
-def test_warns_about_a_class_whose_annotating_sites_hold_none_of_its_positives(capsys):
+def test_warns_about_a_class_whose_annotating_sites_hold_none_of_its_positives():
     sites, _, summary = partition(_dataset(), "label-set-mismatch", sites=3, seed=0, class_sets=[CLASSES] * 3)
     patients = [_patient(s) for s in sites]
     assert summary["warnings"] == []  # every class annotated everywhere

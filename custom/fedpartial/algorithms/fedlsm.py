@@ -234,6 +234,27 @@ def awpa_rows(rows_per_site: Sequence[np.ndarray], counts_per_site, fallback_wei
     return np.einsum("kc,kc...->c...", weights, rows)
 
 
+def average_classifier_rows(used: Sequence[SiteUpdate], row_weights: np.ndarray, classifier_names: Sequence[str]
+                            ) -> Dict[str, np.ndarray]:
+    """Every classifier parameter of ``used`` averaged row by row with :func:`awpa_rows` (a class
+    whose weights are all 0 falls back to the sites' sizes), in the first site's dtype.
+
+    Args:
+        used: site updates with a positive ``num_samples``.
+        row_weights: ``(K, C)`` weight of each site's row of each class.
+        classifier_names: the classifier parameters (first dimension = classes).
+    """
+    sizes = np.array([u.num_samples for u in used], dtype=np.float64)
+    num_classes = np.shape(row_weights)[1]
+    out = {}
+    for name in classifier_names:
+        first = np.asarray(used[0].weights[name])
+        if first.shape[0] != num_classes:
+            raise ValueError(f"classifier parameter '{name}' has {first.shape[0]} rows, expected {num_classes} classes")
+        out[name] = awpa_rows([u.weights[name] for u in used], row_weights, sizes).astype(first.dtype)
+    return out
+
+
 def class_statistics(labels: np.ndarray, label_mask: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Annotated positive and negative counts per class (``label_pos``, ``label_neg``)."""
     annotated = label_mask > 0.5
@@ -628,7 +649,7 @@ class AWPAServer(ServerRule):
         weights = fedavg_weights(updates)  # feature extractor, BN buffers, and the fallback rows
         used = [u for u in updates if u.num_samples > 0]
         sizes = np.array([u.num_samples for u in used], dtype=np.float64)
-        c = self._num_classes(used[0], ctx)
+        self._num_classes(used[0], ctx)  # raises when the context names no classifier parameter
         if self.use_awpa:
             row_weights = np.stack([np.asarray(u.stats["class_counts"], dtype=np.float64) for u in used])
         elif self.without_awpa == "masked":
@@ -637,12 +658,7 @@ class AWPAServer(ServerRule):
         else:
             row_weights = None
         if row_weights is not None:
-            for name in ctx.classifier_param_names:
-                first = np.asarray(used[0].weights[name])
-                if first.shape[0] != c:
-                    raise ValueError(f"classifier parameter '{name}' has {first.shape[0]} rows, expected {c} classes")
-                rows = awpa_rows([u.weights[name] for u in used], row_weights, sizes)
-                weights[name] = rows.astype(first.dtype)
+            weights.update(average_classifier_rows(used, row_weights, ctx.classifier_param_names))
         stats = {}
         pos = [np.asarray(u.stats["label_pos"], dtype=np.float64) for u in updates if "label_pos" in u.stats]
         neg = [np.asarray(u.stats["label_neg"], dtype=np.float64) for u in updates if "label_neg" in u.stats]

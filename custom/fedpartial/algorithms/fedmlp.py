@@ -76,7 +76,7 @@ import torch.nn.functional as F
 
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
 from fedpartial.algorithms.fedavg import fedavg_weights
-from fedpartial.algorithms.fedlsm import awpa_rows
+from fedpartial.algorithms.fedlsm import average_classifier_rows
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, DataError
 from fedpartial.training.common import (batch_indices, images_to_tensor, masked_bce_with_logits, predict,
@@ -351,16 +351,9 @@ def annotated_rows(updates: List[SiteUpdate], classifier_names: List[str]) -> Di
         classifier_names: the classifier parameters (first dimension = classes).
     """
     used = [u for u in updates if u.num_samples > 0]
-    sizes = np.array([u.num_samples for u in used], dtype=np.float64)
     flags = np.stack([np.asarray(u.stats["annotated_classes"], dtype=np.float64) > 0.5 for u in used])
-    out = {}
-    for name in classifier_names:
-        first = np.asarray(used[0].weights[name])
-        if first.shape[0] != flags.shape[1]:
-            raise ValueError(f"classifier parameter '{name}' has {first.shape[0]} rows, but the sites' "
-                             f"annotated_classes name {flags.shape[1]} classes")
-        out[name] = awpa_rows([u.weights[name] for u in used], flags * sizes[:, None], sizes).astype(first.dtype)
-    return out
+    sizes = np.array([u.num_samples for u in used], dtype=np.float64)
+    return average_classifier_rows(used, flags * sizes[:, None], classifier_names)
 
 
 def loss_entries(labels: np.ndarray, label_mask: np.ndarray, tags: np.ndarray, assumed_negative_weight: float = 0.0
@@ -724,8 +717,8 @@ class FedMLPServer(ServerRule):
             flags = np.asarray(stats["annotated_classes"], dtype=np.float64)
             if flags.ndim != 1 or (exp_c is not None and flags.shape != (exp_c,)) or \
                     not np.isin(flags, (0.0, 1.0)).all():
-                raise ValueError(f"FedMLP stat 'annotated_classes' from site '{update.site}' must be {exp_c} "
-                                 f"values of 0/1, got shape {flags.shape}")
+                raise ValueError(f"FedMLP stat 'annotated_classes' from site '{update.site}' must hold one 0/1 "
+                                 f"value per class ({exp_c}), got shape {flags.shape}")
         present = [k for k in STAT_KEYS if k in stats]
         if not present:
             return  # warm-up rounds send no statistics
