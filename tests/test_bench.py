@@ -251,7 +251,8 @@ def test_write_overlays_uses_the_evaluation_path(tmp_path):
     from fedpartial.data.npz import load_npz, save_npz
     from fedpartial_tools.synthetic import make_segmentation
     from fedpartial.data.transforms import resize_dataset
-    from fedpartial.evaluation import evaluate_split
+    from fedpartial.evaluation import predict_split
+    from fedpartial.metrics import segmentation_metrics
     from fedpartial.models import build_model, load_model_file, save_model_file
 
     source = str(tmp_path / "seg.npz")
@@ -270,7 +271,8 @@ def test_write_overlays_uses_the_evaluation_path(tmp_path):
     test = resize_dataset(load_npz(source), (8, 8)).splits["test"]
     for job in dice:
         model, meta_read = load_model_file(tmp_path / name / "seed0" / job / "global_model.pt")
-        expected = evaluate_split(model, test, "segmentation", ["lesion"], meta_read["normalisation"], "cpu")["dice"]
+        probs = predict_split(model, test, "segmentation", meta_read["normalisation"], "cpu")
+        expected = segmentation_metrics(probs > 0.5, test.labels > 0)["dice"]
         assert len(dice[job]) == 5 and np.mean(dice[job]) == pytest.approx(expected)
     assert bench.overlay_indices(133, 4).tolist() == [0, 44, 88, 132]
 
@@ -519,21 +521,26 @@ def test_shifted_test_metrics_come_from_the_shifted_images(tmp_path, monkeypatch
     assert row["auc"] == pytest.approx(plain["auc"]) and row["auc"] != row["auc_shift"]
 
 
-def test_fedia_lesions_job_is_the_small_lesion_row_it_was_measured_as():
-    """jobs/fedia_lesions (and its FedAvg baselines) ship exactly the setting of the small-lesion
-    suites' fedia_lesionwise_late_retry row: fedia + the suite's CPU profile + the variant."""
+def test_fedia_lesions_job_is_what_the_real_lesion_suites_measure():
+    """The leave-one-patient-out MS suites run jobs/fedia_lesions and its FedAvg baselines exactly
+    as shipped (only classes and size fitted to the data), and the baselines share its model,
+    rounds and recipe; fedia_lesions_paper is the same job with the paper's weighting."""
     from fedpartial_tools.bench import job_settings
 
-    for name in ("lesions-dicece-m2", "lesions-dicece-m3"):
+    for name in ("ms-p7-m2", "ms-p7-m3", "ms-p19-m2", "ms-p19-m3"):
         suite = bench.SUITES[name]
-        sets = suite.overrides["cpu"] + suite.method_overrides["cpu"] + suite.variants["fedia_lesionwise_late_retry"]
-        measured, shipped = job_settings("fedia", sets), job_settings("fedia_lesions")
-        assert shipped["rule_args"] == measured["rule_args"] and shipped["num_rounds"] == measured["num_rounds"]
-        assert shipped["model"]["input_size"] == measured["model"]["input_size"] == [128, 128]
-        for baseline in ("fedavg_seg_lesions", "fedavg_seg_full_lesions"):
-            base = job_settings(baseline)
-            assert base["num_rounds"] == shipped["num_rounds"] and base["model"] == shipped["model"]
-            assert all(base["rule_args"][k] == shipped["rule_args"][k]
-                       for k in ("lr", "loss", "lesion_fraction", "batch_size", "weight_decay"))
+        assert (suite.method, suite.lower, suite.upper) == ("fedia_lesions", "fedavg_seg_lesions",
+                                                            "fedavg_seg_full_lesions")
+        assert not suite.overrides and not suite.method_overrides and suite.holdout_patient in (7, 19)
+        paper = job_settings("fedia_lesions", suite.variants["fedia_lesions_paper"])["rule_args"]
+        assert paper["completeness_cap"] is None and paper["min_predicted_ratio"] == 0
+    shipped = job_settings("fedia_lesions")
+    assert shipped["model"]["arch_args"]["foreground_prior"] == 0.01
+    assert shipped["rule_args"]["completeness_cap"] == 1.0 and shipped["rule_args"]["min_predicted_ratio"] == 0.5
+    for baseline in ("fedavg_seg_lesions", "fedavg_seg_full_lesions"):
+        base = job_settings(baseline)
+        assert base["num_rounds"] == shipped["num_rounds"] and base["model"] == shipped["model"]
+        assert all(base["rule_args"][k] == shipped["rule_args"][k]
+                   for k in ("lr", "loss", "lesion_fraction", "batch_size", "weight_decay"))
     assert job_settings("fedia_lesions")["rule_args"]["correction_rule"] == "lesions"
     assert job_settings("fedia")["rule_args"]["correction_rule"] == "pixels"  # DSB2018's winner stays

@@ -81,7 +81,9 @@ def test_fedia_job_estimates_reweights_and_corrects(tmp_path):
     # corrects with the received model (threshold 0.3 so a 1-round model flips some pixels).
     rounds = run("fedia", data_root, ws, TINY + [
         "num_rounds=4", "rule_args.warmup_rounds=2", "rule_args.iou_margin=-1.0",
-        "rule_args.correction_threshold=0.3", "client.reference_file=reference/{site}_full.npz"])
+        "rule_args.correction_threshold=0.3", "client.reference_file=reference/{site}_full.npz",
+        # estimate from whatever the 2-round model predicts: this test is about the mechanism
+        "rule_args.min_predicted_ratio=0"])
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
     sites = ["site-1", "site-2", "site-3"]
     for name in sites:
@@ -96,6 +98,16 @@ def test_fedia_job_estimates_reweights_and_corrects(tmp_path):
     # round 2 aggregated with the completeness-aware weights; round 3 (all corrected) is FedAvg again
     assert logged(ws, "FedIA round 2: completeness-aware weights")
     assert not logged(ws, "FedIA round 3: completeness-aware weights")
+    # metrics.json logs each round's rule and weights: size weights in warm-up, completeness-aware
+    # weights (each within 2x its data share, summing to 1) at round 2, FedAvg once all corrected
+    server = [r["server"] for r in rounds]
+    assert [s["rule"] for s in server] == ["fedavg", "fedavg", "completeness_aware", "fedavg"]
+    for s in server:
+        assert sorted(s["weights"]) == sites and sum(s["weights"].values()) == pytest.approx(1.0)
+        assert all(0.0 < a <= 1.0 for a in s["completeness"].values())
+    shares = {name: rounds[2]["sites"][name]["num_samples"] / sum(rounds[2]["sites"][n]["num_samples"] for n in sites)
+              for name in sites}
+    assert all(w <= 2 * shares[name] + 1e-9 for name, w in server[2]["weights"].items())
     states = glob.glob(str(ws / "simulator" / "**" / "fedia_state.json"), recursive=True)
     assert len(states) == 3
     state = json.loads(Path(states[0]).read_text())
@@ -110,5 +122,37 @@ def test_fedavg_seg_full_job_reads_the_reference_copies(tmp_path):
     assert len(rounds) == 2
     for name, site in rounds[1]["sites"].items():
         assert np.isfinite(site["train_loss"]) and 0.0 <= site["train_iou"] <= 1.0
-        assert "dice" in site["val"]
+        assert {"tp", "fp", "fn", "predicted_lesion_share", "n_images"} <= set(site["val"])
     assert os.path.isfile(ws / "best_global_model.pt") or os.path.isfile(ws / "global_model.pt")
+
+
+def test_segmentation_result_scores_what_the_progress_lines_promised(tmp_path):
+    """Site validation and `evaluate` score alike: the best model's pooled val Dice in the run
+    (what the progress line showed for the round it was sent out) is what `evaluate` of the
+    downloaded best_global_model.pt on the site folder's val splits prints; a round whose model
+    predicts no lesion anywhere is flagged in the progress line."""
+    from fedpartial.metrics.segmentation import pooled_validation
+    from fedpartial.models.io import load_model_file
+    from fedpartial_tools.evaluate import evaluate_data
+    from fedpartial_tools.jobtools import RoundProgress
+
+    data_root = tmp_path / "sites"
+    write_sites(data_root)
+    ws = tmp_path / "run"
+    rounds = run("fedavg_seg", data_root, ws, TINY + ["num_rounds=4", "model.arch_args.foreground_prior=0.05"])
+    pooled = [pooled_validation({k: s["val"] for k, s in r["sites"].items()}) for r in rounds]
+    assert all(p is not None and p["n_images"] == 12 for p in pooled)
+    # the selector skips round 0 (no aggregate yet); a later round's model is best if strictly better
+    scores = [p["dice_pooled"] for p in pooled[1:]]
+    best_round = 1 + int(np.argmax(scores))
+    model, meta = load_model_file(str(ws / "best_global_model.pt"))
+    assert meta["round"] == best_round - 1  # the aggregate of the round before, sent out at best_round
+    result = evaluate_data(model, meta, str(data_root), split="val")
+    assert result["pooled"]["dice_pooled"] == pytest.approx(max(scores), abs=1e-9)
+    line = RoundProgress(4, "dice_pooled").line(rounds[best_round], best_round + 1, 10.0)
+    assert f"val pooled dice {max(scores):.3f}" in line and "of 12 val images (3 sites)" in line
+    # a model that marks nothing is called out
+    blank = {k: dict(s, val=dict(s["val"], tp=0, fp=0, predicted_lesion_share=0.0))
+             for k, s in rounds[1]["sites"].items()}
+    assert "WARNING: the global model predicts no lesion" in RoundProgress(4, "dice_pooled").line(
+        dict(rounds[1], sites=blank), 2, 10.0)

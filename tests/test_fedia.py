@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext, SiteUpdate
-from fedpartial.algorithms.fedia import (MASKS_FILE, STATE_FILE, FedIAClient, FedIAServer, completeness_aware_weights,
+from fedpartial.algorithms.fedia import (MASKS_FILE, PAPER_CLIENT_GUARDS, PAPER_SERVER_GUARDS, STATE_FILE, FedIAClient,
+                                         FedIAServer, cap_weights, completeness_aware_weights,
                                          correct_masks, correct_masks_lesionwise, correction_triggered, count_lesions,
                                          estimate_completeness,
                                          fit_iou_trend)
@@ -260,6 +261,54 @@ def test_server_weights_by_stage():
     assert server.aggregate(zero, sctx(2))[0]["w"][0] == pytest.approx(0.7310586, abs=1e-6)
 
 
+def test_cap_weights_hand_worked():
+    # equal shares 0.25, cap 2 x 0.25 = 0.5: the first site gives up 0.47, the others share 0.5 equally
+    assert cap_weights([0.97, 0.01, 0.01, 0.01], [0.25] * 4, 2.0) == pytest.approx([0.5, 1 / 6, 1 / 6, 1 / 6])
+    # unequal shares (0.1, 0.2, 0.3, 0.4): caps (0.2, 0.4, 0.6, 0.8); site 1 capped at 0.2, the
+    # remaining 0.8 split in proportion 0.1 : 0.1 : 0.1 -> 0.2667 each (under their caps)
+    assert cap_weights([0.7, 0.1, 0.1, 0.1], [0.1, 0.2, 0.3, 0.4], 2.0) == pytest.approx([0.2, 0.8 / 3, 0.8 / 3, 0.8 / 3])
+    # a redistribution that pushes a second site over its cap: caps (0.2, 0.2, 1.6); site 1 -> 0.2 and
+    # 0.8 split 0.35 : 0.05 = (0.7, 0.1); site 2 is now over -> 0.2, and the third takes the 0.6 left
+    w = cap_weights([0.6, 0.35, 0.05], [0.1, 0.1, 0.8], 2.0)
+    assert w == pytest.approx([0.2, 0.2, 0.6]) and w.sum() == pytest.approx(1.0)
+    assert cap_weights([0.9, 0.1], [0.5, 0.5], None) == pytest.approx([0.9, 0.1])  # the paper: no cap
+    with pytest.raises(ValueError, match="max_ratio must be >= 1"):
+        cap_weights([0.5, 0.5], [0.5, 0.5], 0.5)
+
+
+def test_server_explosive_completeness_case_stays_sane():
+    """The real-MS failure: estimates 61 / 21.5 / 1.33 / 77 from a model that had just marked its
+    first lesions, every site at loss 0.9, 25 / 24 / 24 / 24 training images."""
+    estimates, sizes = [61.0, 21.5, 1.33, 77.0], [25, 24, 24, 24]
+    ups = [update(f"site-{k + 1}", float(k), n, a=a, loss=0.9) for k, (a, n) in enumerate(zip(estimates, sizes))]
+    # the paper's rule: softmax(a / 0.9) = softmax(67.8, 23.9, 1.48, 85.6): site-4 takes all but e^-17.8
+    paper = FedIAServer(warmup_rounds=2, **PAPER_SERVER_GUARDS)
+    ctx = sctx(5)
+    w, _ = paper.aggregate(ups, ctx)
+    assert ctx.report["weights"]["site-4"] == pytest.approx(1.0, abs=1e-7) and w["w"][0] == pytest.approx(3.0, abs=1e-6)
+    # ours: every estimate clipped to 1.0 -> equal a / l -> softmax gives 0.25 each; no cap needed
+    ours = FedIAServer(warmup_rounds=2)
+    ctx = sctx(5)
+    w, g = ours.aggregate(ups, ctx)
+    assert [ctx.report["weights"][f"site-{k}"] for k in (1, 2, 3, 4)] == pytest.approx([0.25] * 4)
+    assert w["w"][0] == pytest.approx((0 + 1 + 2 + 3) / 4) and g == {"completeness_aware": 1}
+    assert ctx.report["rule"] == "completeness_aware" and ctx.report["completeness"]["site-4"] == 77.0
+    # one site at a much lower loss: softmax(1/0.3, 1/0.9 x 3) = (0.7657, 0.0781 x 3) -> capped at
+    # 2 x 25/97 = 0.5155, the rest shared equally: (1 - 0.5155) / 3 = 0.1615 each
+    ups[0].stats["mean_loss"] = 0.3
+    ctx = sctx(5)
+    ours.aggregate(ups, ctx)
+    cap = 2 * 25 / 97
+    assert [ctx.report["weights"][f"site-{k}"] for k in (1, 2, 3, 4)] == pytest.approx([cap] + [(1 - cap) / 3] * 3)
+
+
+def test_server_reports_size_weights_while_waiting():
+    ctx = sctx(5)
+    FedIAServer(warmup_rounds=2).aggregate([update("site-1", 0.0, 1, ready=0), update("site-2", 1.0, 3)], ctx)
+    assert ctx.report["rule"] == "fedavg" and ctx.report["weights"] == {"site-1": 0.25, "site-2": 0.75}
+    assert ctx.report["completeness_ready"] == {"site-1": 0, "site-2": 1}
+
+
 @pytest.mark.parametrize("key,value,match", [
     ("mean_loss", float("nan"), "'mean_loss' is not finite"),
     ("completeness", 0.0, r"'completeness' must be in \(0, inf\)"),
@@ -337,7 +386,7 @@ def test_client_warmup_from_first_lesion_defers_estimate_and_trend(tmp_path):
     blank = np.full((8, 8), -3.0, dtype=np.float32)  # the model marks nothing (sigmoid 0.047)
     # learning starts late: from round 4 the global model marks 3 lesions per image
 
-    paper = scripted(FedIAClient(warmup_rounds=2, use_correction=False), ious)
+    paper = scripted(FedIAClient(warmup_rounds=2, use_correction=False, **PAPER_CLIENT_GUARDS), ious)
     outs = run_with_late_model(paper, make_ctx(tmp_path / "paper", site), blank)
     # the paper's rule estimates at round 2 from a blank model: 1.0 for good
     assert outs[2].stats["completeness_ready"] == 1 and outs[5].stats["completeness"] == 1.0
@@ -399,11 +448,35 @@ def test_client_retry_empty_correction_keeps_the_trigger_armed(tmp_path):
     assert retry.state["correction_rounds"] == [4]
 
 
+def test_client_estimates_only_from_a_model_that_finds_lesions(tmp_path):
+    # the complete masks: 2 lesions per image, 4 annotated; the model marks 1 lesion per image (2)
+    _, full = lesion_masks()
+    one = np.full((8, 8), -3.0, np.float32)
+    one[1:3, 1:3] = 3.0
+    ious = {0: 0.1, 1: 0.2, 2: 0.3, 3: 0.3}
+    # 2 predicted < 0.6 x 4 annotated: deferred, the site reports "not ready" (the server stays on FedAvg)
+    strict = scripted(FedIAClient(warmup_rounds=2, min_predicted_ratio=0.6), ious)
+    strict.setup(make_ctx(tmp_path / "strict", full))
+    outs = [run_round(strict, FixedMapModel(one), r) for r in range(4)]
+    assert [o.stats["completeness_ready"] for o in outs] == [0, 0, 0, 0] and strict.state["completeness"] is None
+    # 2 >= 0.5 x 4: estimated 4 / 2 = 2.0, clipped to the default cap 1.0 (completeness is a fraction)
+    ours = scripted(FedIAClient(warmup_rounds=2), ious)
+    ours.setup(make_ctx(tmp_path / "ours", full))
+    out = [run_round(ours, FixedMapModel(one), r) for r in range(3)][-1]
+    assert out.stats["completeness_ready"] == 1 and out.stats["completeness"] == 1.0
+    # the paper's rule takes it as it is: 2.0
+    paper = scripted(FedIAClient(warmup_rounds=2, **PAPER_CLIENT_GUARDS), ious)
+    paper.setup(make_ctx(tmp_path / "paper", full))
+    assert [run_round(paper, FixedMapModel(one), r) for r in range(3)][-1].stats["completeness"] == 2.0
+    with pytest.raises(ValueError, match="min_predicted_ratio must be >= 0"):
+        FedIAClient(min_predicted_ratio=-1)
+
+
 def test_client_completeness_cap_and_no_prediction(tmp_path):
     site, _ = lesion_masks()
     ious = {0: 0.1, 1: 0.2, 2: 0.3}
     # a model predicting nothing: completeness undefined -> 1.0, still "ready"
-    blank = scripted(FedIAClient(warmup_rounds=2), ious)
+    blank = scripted(FedIAClient(warmup_rounds=2, **PAPER_CLIENT_GUARDS), ious)
     blank.setup(make_ctx(tmp_path / "a", site))
     empty_model = FixedMapModel(np.full((8, 8), -5.0, np.float32))
     out = [run_round(blank, empty_model, r) for r in range(3)][-1]

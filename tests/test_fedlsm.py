@@ -61,6 +61,22 @@ def test_awpa_server_aggregate_and_global_stats():
     np.testing.assert_allclose(stats["class_counts"], [60, 20, 0])
 
 
+def test_awpa_caps_a_class_count_above_the_site_size_and_logs_row_weights():
+    # site C claims 10^6 samples of class 1 with 100 images: capped at 100, so class 1's row is
+    # 5/105 * 5 + 100/105 * 7 = 6.9048 (not 5/(10^6 + 5) * 5 + ... = 7.0000); class 0 as before
+    sites = _three_sites()
+    sites[2].stats["class_counts"] = np.array([0, 1e6, 0])
+    logged = []
+    ctx = ServerContext(round=3, num_rounds=5, classifier_param_names=CLS, log=logged.append)
+    weights, _ = AWPAServer().aggregate(sites, ctx)
+    np.testing.assert_allclose(weights["fc.bias"], [2.0, 5 / 105 * 5 + 100 / 105 * 7, 7.0], rtol=1e-6)
+    assert any("site 'C'" in m and "capped" in m for m in logged)
+    # metrics.json gets each site's share of each class row (0 where the class has no count at all)
+    shares = ctx.report["class_row_weights"]
+    np.testing.assert_allclose([shares["A"][0], shares["B"][0], shares["C"][1]], [0.5, 0.5, 100 / 105])
+    assert shares["A"][2] == shares["B"][2] == shares["C"][2] == 0.0
+
+
 def test_without_awpa_masked_and_fedavg():
     w_masked, _ = AWPAServer(use_awpa=False).aggregate(_three_sites(), _ctx())
     # class 0 over A, B (annotate it): (100*1 + 300*3)/400 = 2.5 ; class 1 over B, C: (300*5 + 100*7)/400 = 5.5

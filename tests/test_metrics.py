@@ -128,3 +128,27 @@ def test_segmentation_errors():
         segmentation_metrics(pred[None] * 0.7, target[None])
     with pytest.raises(ValueError, match=r"got shape \(4, 4\)"):
         segmentation_metrics(pred, target)
+
+
+def test_validation_metrics_and_pooled_validation_by_hand():
+    from fedpartial.metrics import pooled_validation, validation_metrics
+
+    # image 0: truth 4 px, prediction 2 of them + 2 outside (tp 2, fp 2, fn 2); image 1: empty both;
+    # image 2: truth 1 px, nothing predicted (fn 1)
+    truth = np.zeros((3, 4, 4), bool)
+    pred = np.zeros_like(truth)
+    truth[0, 0, :4] = True
+    pred[0, 0, :2] = pred[0, 1, :2] = True
+    truth[2, 3, 3] = True
+    m = validation_metrics(pred, truth)
+    assert (m["tp"], m["fp"], m["fn"], m["n_images"], m["n_empty_both"]) == (2, 2, 3, 3, 1)
+    assert m["dice_pooled"] == pytest.approx(4 / 9)  # 2*2 / (2*2 + 2 + 3)
+    assert m["dice_per_image"] == pytest.approx((0.5 + 0.0) / 2)  # the empty-both image left out
+    assert m["predicted_lesion_share"] == pytest.approx(1 / 3)
+    # a second site predicting nothing on 2 lesion-free images: pooled over 5 images, Dice unchanged
+    other = validation_metrics(np.zeros((2, 4, 4), bool), np.zeros((2, 4, 4), bool))
+    assert "dice_pooled" not in other  # undefined (no lesion anywhere): left out, not NaN
+    pooled = pooled_validation({"a": m, "b": other, "c": {}})
+    assert pooled == {"dice_pooled": pytest.approx(4 / 9), "predicted_lesion_share": pytest.approx(1 / 5),
+                      "n_images": 5, "sites": 2}
+    assert pooled_validation({"a": {"auc": 0.7}}) is None  # classification: nothing to pool

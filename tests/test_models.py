@@ -105,6 +105,17 @@ def test_spec_rebuilds_and_seeding_is_repeatable():
     assert unet.spec["arch_args"] == {"channels": [16, 32, 64, 128], "strides": [2, 2, 2], "num_res_units": 2}
 
 
+def test_unet_foreground_prior_sets_the_output_bias():
+    # logit(0.01) = ln(0.01 / 0.99) = -4.5951; 0 keeps MONAI's initialisation and stays out of the spec
+    unet = build_model("unet", 1, 1, channels=[4, 8], strides=[2], num_res_units=1, foreground_prior=0.01)
+    assert unet.classifier_module().bias.detach().item() == pytest.approx(-4.59512, abs=1e-5)
+    assert unet.spec["arch_args"]["foreground_prior"] == 0.01
+    plain = build_model("unet", 1, 1, channels=[4, 8], strides=[2], num_res_units=1, foreground_prior=0.0)
+    assert "foreground_prior" not in plain.spec["arch_args"]
+    with pytest.raises(ValueError, match="foreground_prior must be in"):
+        build_model("unet", 1, 1, channels=[4, 8], strides=[2], foreground_prior=1.0)
+
+
 def test_unknown_arch_and_bad_args():
     with pytest.raises(ValueError, match="valid archs: densenet121, resnet18, small_cnn, unet"):
         build_model("vgg", 3, 1)

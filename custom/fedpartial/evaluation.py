@@ -31,13 +31,17 @@ def evaluate_split(model, split: Split, task: str, class_names, normalisation: d
         normalisation: ``{"mean", "std"}`` the model was trained with.
         device: torch device.
         flat: drop the nested per-class block (for FLARE metric DXOs and TensorBoard).
+            Segmentation: :func:`fedpartial.metrics.validation_metrics` (``dice_pooled``,
+            ``dice_per_image``, ``predicted_lesion_share``, pixel counts ``tp`` / ``fp`` / ``fn`` ...).
         threshold: probability threshold for multi-label / segmentation predictions.
     """
-    from fedpartial.metrics import classification_metrics, segmentation_metrics
+    from fedpartial.metrics import classification_metrics, validation_metrics
 
     probs = predict_split(model, split, task, normalisation, device)
     if task == SEGMENTATION:
-        return segmentation_metrics(probs > threshold, np.asarray(split.labels) > 0)
+        # the same scores as `evaluate`: pooled and per-image Dice (empty-both images left out),
+        # the share of images with a predicted lesion, and the pixel counts the server pools
+        return validation_metrics(probs > threshold, np.asarray(split.labels) > 0)
     # a site's val split is partially annotated like its train split: score annotated entries only
     # (an unannotated entry is neither a positive nor a negative)
     mask = None if split.label_mask is None or np.all(split.label_mask) else np.asarray(split.label_mask)

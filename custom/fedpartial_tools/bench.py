@@ -62,6 +62,9 @@ class Suite:
     # a function of fedpartial_tools.synthetic that turns the test images into a shifted test set
     # (another acquisition); each metric is reported again as "<metric>_shift"
     shifted_test: str = ""
+    # leave-one-patient-out: this patient id of the dataset's train split is the test split, the
+    # other patients' slices are shared out among the sites (made once into <out>/_data)
+    holdout_patient: Optional[int] = None
 
     def dataset_for(self, profile: str) -> str:
         """The data file the ``profile`` runs on."""
@@ -154,6 +157,22 @@ for _m in range(4):
                   "fedia_lesionwise": _LESIONWISE, "fedia_lesionwise_late_retry": _LESIONWISE_LATE_RETRY},
         overrides={"cpu": ["num_rounds=30", "model.input_size=[64,64]", "rule_args.lr=0.001"],
                    "gpu": ["num_rounds=100", "model.input_size=[256,256]"]})
+
+# Real MS lesions on FLAIR (2 patients, native 182x218, lesion burden 35-fold apart), leave one
+# patient out: the other patient's slices go to 4 sites keeping (20k - 10m + 40) % of their
+# lesions, the held-out patient is the test set. The jobs run as shipped, fitted to the data's
+# classes and size; fedia_lesions_paper is the paper's weighting (no clipping, no readiness rule,
+# no weight cap). Metrics of the last aggregate and of best_global_model.pt ("_best").
+_FEDIA_PAPER_WEIGHTING = ["rule_args.completeness_cap=null", "rule_args.min_predicted_ratio=0",
+                          "rule_args.completeness_max=null", "rule_args.max_weight_ratio=null"]
+for _patient in (7, 19):
+    for _m in (2, 3):
+        SUITES[f"ms-p{_patient}-m{_m}"] = Suite(
+            "ms_flair_2patients.npz", "incomplete-masks",
+            {"completeness": [(20 * k - 10 * _m + 40) / 100 for k in range(4)]}, 4, "fedia_lesions",
+            "fedavg_seg_lesions", "fedavg_seg_full_lesions", holdout_patient=_patient,
+            metrics=["dice_pooled", "dice_per_image", "dice_pooled_best", "dice_per_image_best"],
+            variants={"fedia_lesions_paper": _FEDIA_PAPER_WEIGHTING})
 
 
 # What a baseline takes from its method, so that a row compares rules, not networks or recipes:
@@ -355,7 +374,7 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
 
 def is_segmentation(name: str) -> bool:
     """Whether suite ``name`` is scored with Dice (segmentation)."""
-    return "dice" in SUITES[name].metrics
+    return any(k.startswith("dice") for k in SUITES[name].metrics)
 
 
 def _load_for_eval(ws: str, data, device, cache: Optional[dict] = None):
@@ -390,14 +409,13 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds) -> dict:
     model, meta, data = _load_for_eval(ws, load_npz(source), device)
     test = data.splits["test"]
     metrics = evaluate_split(model, test, data.task, data.class_names, meta["normalisation"], device)
-    if data.task == "segmentation" and any(k in suite.metrics for k in ("dice_pooled", "dice_per_image")):
+    if data.task == "segmentation":
         from fedpartial.evaluation import predict_split
-        from fedpartial.metrics import overlap_counts
-        from fedpartial.metrics.segmentation import overlap_summary
+        from fedpartial.metrics import segmentation_metrics
 
         probs = predict_split(model, test, data.task, meta["normalisation"], device)
-        # empty-truth-and-prediction slices left out of the per-image mean, pooled over all pixels
-        metrics.update(overlap_summary(**overlap_counts(probs > 0.5, np.asarray(test.labels) > 0)))
+        # "dice" / "iou" of the DSB2018 tables: per-image means with an empty-both image scoring 1
+        metrics.update(segmentation_metrics(probs > 0.5, np.asarray(test.labels) > 0))
     row = {"suite": name, "method": job, "dataset": os.path.basename(source), "scenario": suite.scenario,
            "split_options": json.dumps(suite.split_options), "seed": seed,
            "rounds": len(json.load(open(os.path.join(ws, "metrics.json")))["rounds"]),
@@ -409,6 +427,12 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds) -> dict:
         for k, v in evaluate_split(model, shifted, data.task, data.class_names, meta["normalisation"],
                                    device).items():
             metrics[f"{k}_shift"] = v
+    if any(k.endswith("_best") for k in suite.metrics) and os.path.isfile(os.path.join(ws, "best_global_model.pt")):
+        from fedpartial.models.io import load_model_file
+
+        best, _ = load_model_file(os.path.join(ws, "best_global_model.pt"), device=device)
+        for k, v in evaluate_split(best, test, data.task, data.class_names, meta["normalisation"], device).items():
+            metrics[f"{k}_best"] = v
     for k in suite.metrics:
         row[k] = float(metrics.get(k, float("nan")))
     per_class = metrics.get("per_class") or {}
@@ -1162,11 +1186,46 @@ def _split_source(out_dir: str, name: str, seed: int, data_dir: str) -> str:
     return suite_source(SUITES[name], "cpu", data_dir, out_dir)
 
 
+def leave_patient_out(source: str, patient: int, out: str) -> str:
+    """Write ``out``: the slices of ``patient`` (``train_patient_ids``) as the test split, every
+    other patient's slices as the train split without patient ids, so that ``split`` shares them
+    out among the sites slice by slice (whole patients would fill one site).
+
+    Args:
+        source: a segmentation ``.npz`` with ``train_patient_ids`` (e.g. ms_flair_2patients.npz).
+        patient: the held-out patient id.
+        out: the file to write.
+    """
+    from fedpartial.data.npz import load_npz, save_npz
+    from fedpartial.data.types import DataError, Dataset, Split
+
+    data = load_npz(source)
+    train = data.splits["train"]
+    if train.groups is None:
+        raise DataError(f"'{source}': no train_patient_ids, so no patient can be held out")
+    held = np.asarray(train.groups) == patient
+    if not held.any() or held.all():
+        raise DataError(f"'{source}': patient {patient} is not one of several patients "
+                        f"{sorted(set(np.asarray(train.groups).tolist()))}")
+    rest, test = train.subset(np.flatnonzero(~held)), train.subset(np.flatnonzero(held))
+    rest = Split(rest.images, rest.labels, rest.label_mask, rest.ids, None)
+    test = Split(test.images, test.labels, test.label_mask, test.ids, None)
+    save_npz(Dataset(data.task, data.class_names, {"train": rest, "test": test}, out), out)
+    return out
+
+
 def suite_source(suite: "Suite", profile: str, data_dir: str, out_dir: str) -> str:
     """The source file a suite runs on: in ``data_dir``, or (a suite with a ``generator``) made
-    once into ``<out_dir>/_data``."""
+    once into ``<out_dir>/_data``; a suite with ``holdout_patient`` runs on a leave-one-patient-out
+    copy in ``<out_dir>/_data``."""
     name = suite.dataset_for(profile)
     source = os.path.join(data_dir, name)
+    if os.path.isfile(source) and suite.holdout_patient is not None:
+        made = os.path.join(out_dir, "_data", f"{os.path.splitext(name)[0]}_holdout{suite.holdout_patient}.npz")
+        if not os.path.isfile(made):
+            os.makedirs(os.path.dirname(made), exist_ok=True)
+            leave_patient_out(source, suite.holdout_patient, made)
+        return made
     if os.path.isfile(source):
         return source
     if not suite.generator:

@@ -37,7 +37,8 @@ def _cmd_package(args):
 
 
 _CLASSIFICATION_KEYS = ("auc", "map", "bacc", "accuracy", "f1", "precision", "recall")
-_SEGMENTATION_KEYS = ("dice_per_image", "dice_pooled", "iou_per_image", "iou_pooled", "n_empty_both")
+_SEGMENTATION_KEYS = ("dice_per_image", "dice_pooled", "iou_per_image", "iou_pooled", "n_empty_both",
+                     "predicted_lesion_share")
 
 
 def _cmd_evaluate(args):

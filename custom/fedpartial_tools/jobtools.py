@@ -304,10 +304,20 @@ class RoundProgress:
 
     def line(self, record: dict, done: int, elapsed: float) -> str:
         """The progress line of one aggregated round."""
+        from fedpartial.metrics.segmentation import pooled_validation
+
         values = [s.get("val", {}).get(self.key_metric) for s in record.get("sites", {}).values()]
         values = [float(v) for v in values if isinstance(v, (int, float))]
         validated = any(s.get("val") for s in record.get("sites", {}).values())
-        if values:
+        pooled = pooled_validation({k: s.get("val") for k, s in record.get("sites", {}).items()})
+        if pooled is not None:  # segmentation: Dice over every site's val pixels, as `evaluate` scores it
+            dice = "undefined (no lesion in truth or prediction)" if pooled["dice_pooled"] != pooled["dice_pooled"] \
+                else f"{pooled['dice_pooled']:.3f}"
+            metric = (f"val pooled dice {dice}, lesion predicted in {100 * pooled['predicted_lesion_share']:.0f} % "
+                      f"of {pooled['n_images']} val images ({pooled['sites']} sites)")
+            if pooled["predicted_lesion_share"] == 0:
+                metric += "; WARNING: the global model predicts no lesion at all"
+        elif values:
             metric = f"val {self.key_metric} {sum(values) / len(values):.3f} (mean of {len(values)} sites)"
         elif validated:  # e.g. AUC of a val split without a positive
             metric = f"val {self.key_metric} undefined at every site"
@@ -350,7 +360,49 @@ def collect_results(sim_ws: str, workspace: str, rc: int, seconds: float, log=pr
         shutil.copytree(streamed, os.path.join(workspace, "tb_server"), dirs_exist_ok=True)
     summary = {"exit_code": rc, "seconds": round(seconds, 1), "workspace": workspace, "errors": errors}
     log(f"simulation finished in {seconds:.0f} s (exit {rc}); results in {workspace}")
+    if cross:
+        with open(cross[0]) as f:
+            for line in result_model_lines(json.load(f)):
+                log(line)
     return summary
+
+
+# cross-site evaluation names the server's models "SRV_<locator name>" (the locator's names
+# already start with "SRV_"): matched by their end
+SERVER_MODEL_FILES = {"best_global_model": "best_global_model.pt", "global_model": "global_model.pt"}
+
+
+def result_model_lines(cross_site: dict) -> List[str]:
+    """What the server's models scored on the sites' val splits in cross-site evaluation: for
+    segmentation the Dice pooled over every site's val pixels (what ``evaluate`` of the model on
+    the site folder with ``--split val`` prints), else the mean of the sites' first metric.
+
+    Args:
+        cross_site: ``cross_site_val.json``: ``{site: {model name: metrics}}``.
+    """
+    from fedpartial.metrics.segmentation import pooled_validation
+
+    def model_of(models: dict, name: str):
+        hits = [m for k, m in models.items() if k.startswith("SRV_") and k.endswith(name)
+                and (name == "best_global_model" or not k.endswith("best_global_model"))]
+        return hits[0] if hits else None
+
+    lines = []
+    for name, file in SERVER_MODEL_FILES.items():
+        per_site = {site: model_of(models, name) for site, models in cross_site.items() if isinstance(models, dict)}
+        per_site = {site: m for site, m in per_site.items() if isinstance(m, dict) and m}
+        if not per_site:
+            continue
+        pooled = pooled_validation(per_site)
+        if pooled is not None:
+            lines.append(f"{file}: val pooled dice {pooled['dice_pooled']:.3f}, lesion predicted in "
+                         f"{100 * pooled['predicted_lesion_share']:.0f} % of {pooled['n_images']} val images")
+        else:
+            key = next(iter(next(iter(per_site.values()))))
+            values = [float(m[key]) for m in per_site.values() if isinstance(m.get(key), (int, float))]
+            if values:
+                lines.append(f"{file}: val {key} {sum(values) / len(values):.3f} (mean of {len(values)} sites)")
+    return lines
 
 
 def _log_errors(sim_ws: str, limit: int = 5) -> str:

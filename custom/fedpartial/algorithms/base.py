@@ -120,6 +120,9 @@ class ServerContext:
         global_weights: the global weights sent out this round.
         global_stats: the global statistics sent out this round.
         log: ``log(message)``.
+        report: what the rule decided this round (per-site weights, the statistics they came
+            from, the rule used); the aggregator writes it to the round's ``server`` entry of
+            metrics.json.
     """
 
     round: int
@@ -128,6 +131,7 @@ class ServerContext:
     global_weights: Dict[str, np.ndarray] = field(default_factory=dict)
     global_stats: Stats = field(default_factory=dict)
     log: Callable[[str], None] = _log.info
+    report: Dict[str, object] = field(default_factory=dict)
 
 
 class ServerRule:

@@ -54,6 +54,24 @@ def fedavg_weights(updates: List[SiteUpdate]) -> Dict[str, np.ndarray]:
     return out
 
 
+def capped_counts(update: SiteUpdate, key: str, ctx: ServerContext) -> np.ndarray:
+    """``update.stats[key]`` (per-class sample counts) capped at the site's sample count, with a
+    log line naming the site when a cap applies (a site cannot outweigh the others by reporting
+    more samples than it trained on).
+
+    Args:
+        update: the site's update.
+        key: the count statistic.
+        ctx: the server context (round, log).
+    """
+    counts = np.asarray(update.stats[key], dtype=np.float64)
+    over = counts > update.num_samples
+    if over.any():
+        ctx.log(f"round {ctx.round}: site '{update.site}' reported {key} above its {update.num_samples} samples "
+                f"for class index(es) {np.flatnonzero(over).tolist()}; capped")
+    return np.minimum(counts, float(update.num_samples))
+
+
 class FedAvgServer(ServerRule):
     """Plain FedAvg: weights averaged by data size, no statistics."""
 

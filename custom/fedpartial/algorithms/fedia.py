@@ -27,10 +27,21 @@ weights ``w_k = softmax_k(â_k / ℓ_k)`` (eq. 4), back to FedAvg once every sit
 masks (the "last stage" of the paper's Fig. 2 and its reference code; switch
 ``fedavg_after_all_corrected``).
 
-Completeness can exceed 1 (a model that under-segments or merges touching lesions predicts fewer
-lesions than are annotated). The paper does not clip; neither do we by default
-(``completeness_cap=None``). A site with no annotated lesion would give â_k = 0; it is raised to
-``completeness_floor`` (1e-3) so that the statistic stays in (0, inf).
+Guards (ours; each one is a constructor argument, and ``completeness_cap=None``,
+``min_predicted_ratio=0``, ``max_weight_ratio=None`` give the paper's rule):
+
+* the estimate waits for a model that finds lesions: â_k is taken only from a global model whose
+  prediction holds at least ``min_predicted_ratio`` (0.5) times as many lesions as the site
+  annotated. A model that has just marked its first few lesions would otherwise give â_k =
+  annotated / (a handful), e.g. 77 on real MS lesions, and eq. 4's softmax hands that site all
+  the weight;
+* â_k is a fraction: it is kept in ``[completeness_floor, completeness_cap]`` = [1e-3, 1] (a model
+  that under-segments or merges lesions predicts fewer lesions than are annotated, which says
+  "complete", not "more than complete"); the server clips what it receives to the same range;
+* no site's weight exceeds ``max_weight_ratio`` (2) times its share of the training images
+  (:func:`cap_weights`); the excess goes to the other sites in proportion to their weights.
+
+The weights, estimates and the rule used are logged per round in the server's metrics.json.
 """
 from __future__ import annotations
 
@@ -51,6 +62,9 @@ from fedpartial.data.types import DataError
 STATE_FILE = "fedia_state.json"
 MASKS_FILE = "fedia_corrected_masks.npz"
 STAT_KEYS = ("mean_loss", "iou", "completeness", "completeness_ready", "corrected")
+#: the paper's rule without our guards (``--set`` these for the paper's weighting)
+PAPER_CLIENT_GUARDS = {"completeness_cap": None, "min_predicted_ratio": 0.0}
+PAPER_SERVER_GUARDS = {"completeness_max": None, "max_weight_ratio": None}
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -218,6 +232,42 @@ def completeness_aware_weights(completeness, losses, loss_floor: float = 1e-6) -
     return z / z.sum()
 
 
+def cap_weights(weights, shares, max_ratio: Optional[float]) -> np.ndarray:
+    """Cap each weight at ``max_ratio`` times its site's data share, handing the excess to the
+    uncapped sites in proportion to their weights (repeated until no weight exceeds its cap).
+
+    Args:
+        weights: aggregation weights (>= 0, summing to 1).
+        shares: each site's share of the training images (> 0, summing to 1).
+        max_ratio: the cap as a multiple of the share (>= 1); None = no cap.
+
+    Example: weights (0.97, 0.01, 0.01, 0.01), shares 0.25 each, ratio 2 -> the first site is
+    capped at 0.5 and the other three share 0.5 equally: (0.5, 1/6, 1/6, 1/6).
+    """
+    w = np.asarray(weights, dtype=np.float64).copy()
+    share = np.asarray(shares, dtype=np.float64)
+    if w.shape != share.shape or w.ndim != 1 or w.size == 0:
+        raise ValueError(f"weights {w.shape} and shares {share.shape} must be 1-D of equal, non-zero length")
+    if max_ratio is None:
+        return w
+    if float(max_ratio) < 1.0:
+        raise ValueError(f"max_ratio must be >= 1 (a cap below the data share cannot sum to 1), got {max_ratio}")
+    cap = float(max_ratio) * share / share.sum()
+    capped = np.zeros(w.shape, dtype=bool)
+    for _ in range(w.size):
+        over = (w > cap + 1e-12) & ~capped
+        if not over.any():
+            break
+        capped |= over
+        w[capped] = cap[capped]
+        free = ~capped
+        left = 1.0 - w[capped].sum()
+        if not free.any() or w[free].sum() <= 0:
+            break
+        w[free] = w[free] / w[free].sum() * left
+    return w
+
+
 def _atomic_write(path: str, write) -> None:
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
@@ -263,7 +313,11 @@ class FedIAClient(SegmentationSupervisedClient):
             the trigger after a correction and correct again.
         connectivity: 8 or 4, neighbourhood for counting lesions.
         completeness_floor: lower bound of â_k (keeps it > 0 for a site without annotated lesions).
-        completeness_cap: optional upper bound of â_k (None = no clipping, as in the paper).
+        completeness_cap: upper bound of â_k (1.0: completeness is a fraction; None = no clipping,
+            the paper).
+        min_predicted_ratio: â_k is estimated only from a global model that predicts at least this
+            many times as many lesions as the site annotated (0.5; 0 = any model, the paper); until
+            then the estimate is deferred to the next round and the server stays on FedAvg.
         lr, betas, weight_decay, batch_size, local_epochs, prob_threshold, dice_batch,
         predict_batch_size, loss, lesion_fraction: as in :class:`SegmentationSupervisedClient`
             (paper: Adam 1e-4, (0.9, 0.99), batch 4, one epoch, Dice loss, uniform batches; with
@@ -274,7 +328,8 @@ class FedIAClient(SegmentationSupervisedClient):
 
     def __init__(self, warmup_rounds: int = 10, iou_margin: float = 0.03, correction_threshold: float = 0.8,
                  use_correction: bool = True, correct_repeatedly: bool = False, connectivity: int = 8,
-                 completeness_floor: float = 1e-3, completeness_cap: Optional[float] = None,
+                 completeness_floor: float = 1e-3, completeness_cap: Optional[float] = 1.0,
+                 min_predicted_ratio: float = 0.5,
                  lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, batch_size: int = 4,
                  local_epochs: int = 1, prob_threshold: float = 0.5, dice_batch: bool = False,
                  predict_batch_size: int = 16, loss: str = "dice", lesion_fraction: float = 0.0,
@@ -303,6 +358,9 @@ class FedIAClient(SegmentationSupervisedClient):
         self.connectivity = int(connectivity)
         self.completeness_floor = float(completeness_floor)
         self.completeness_cap = None if completeness_cap is None else float(completeness_cap)
+        if float(min_predicted_ratio) < 0:
+            raise ValueError(f"min_predicted_ratio must be >= 0, got {min_predicted_ratio}")
+        self.min_predicted_ratio = float(min_predicted_ratio)
 
     # -- state --------------------------------------------------------------------------
     @staticmethod
@@ -365,6 +423,12 @@ class FedIAClient(SegmentationSupervisedClient):
         if a_k is None and self.warmup_from_first_lesion:
             self.ctx.log(f"site '{self.ctx.site}': the global model predicts no lesion yet; completeness "
                          f"estimate deferred to the next round")
+            return
+        if n_predicted < self.min_predicted_ratio * n_annotated:
+            # a model that finds few lesions says nothing about the missing ones (annotated / few = huge)
+            self.ctx.log(f"site '{self.ctx.site}': the global model predicts {n_predicted} lesions, fewer than "
+                         f"{self.min_predicted_ratio:g} x the {n_annotated} annotated; completeness estimate "
+                         f"deferred to the next round")
             return
         if a_k is None:
             self.ctx.log(f"site '{self.ctx.site}': the warm-up model predicts no lesion; completeness set to 1.0")
@@ -469,7 +533,7 @@ class FedIAClient(SegmentationSupervisedClient):
 
 # ----------------------------------------------------------------------------- server
 class FedIAServer(ServerRule):
-    """FedIA aggregation (eq. 4).
+    """FedIA aggregation (eq. 4), with guards on the completeness statistics.
 
     Args:
         warmup_rounds: T; rounds ``< T`` are plain size-weighted FedAvg.
@@ -478,16 +542,28 @@ class FedIAServer(ServerRule):
         fedavg_after_all_corrected: True = return to size-weighted FedAvg once every site reports
             corrected masks (paper Fig. 2 "last stage"; reference code).
         loss_floor: smallest ℓ_k used in â_k / ℓ_k.
+        completeness_max: a received â_k above this is clipped to it, with a log line naming the
+            site (1.0: completeness is a fraction; None = taken as sent, the paper).
+        max_weight_ratio: no site's weight exceeds this multiple of its share of the training
+            images (:func:`cap_weights`; 2.0; None = the softmax weights as they are, the paper).
     """
 
     def __init__(self, warmup_rounds: int = 10, use_completeness_weighting: bool = True,
-                 fedavg_after_all_corrected: bool = True, loss_floor: float = 1e-6):
+                 fedavg_after_all_corrected: bool = True, loss_floor: float = 1e-6,
+                 completeness_max: Optional[float] = 1.0, max_weight_ratio: Optional[float] = 2.0):
         if int(warmup_rounds) < 0:
             raise ValueError(f"warmup_rounds must be >= 0, got {warmup_rounds}")
+        if completeness_max is not None and not float(completeness_max) > 0:
+            raise ValueError(f"completeness_max must be > 0 or null, got {completeness_max}")
+        if max_weight_ratio is not None and float(max_weight_ratio) < 1.0:
+            raise ValueError(f"max_weight_ratio must be >= 1 or null (a cap below a site's data share cannot "
+                             f"sum to 1), got {max_weight_ratio}")
         self.warmup_rounds = int(warmup_rounds)
         self.use_completeness_weighting = bool(use_completeness_weighting)
         self.fedavg_after_all_corrected = bool(fedavg_after_all_corrected)
         self.loss_floor = float(loss_floor)
+        self.completeness_max = None if completeness_max is None else float(completeness_max)
+        self.max_weight_ratio = None if max_weight_ratio is None else float(max_weight_ratio)
 
     def check_stats(self, update: SiteUpdate, ctx: ServerContext) -> None:
         stats = update.stats
@@ -511,6 +587,15 @@ class FedIAServer(ServerRule):
             if float(stats[key]) not in (0.0, 1.0):
                 raise ValueError(f"site '{update.site}': FedIA stat '{key}' must be 0 or 1, got {stats[key]}")
 
+    def completeness_of(self, update: SiteUpdate, ctx: ServerContext) -> float:
+        """The site's â_k as used: clipped to ``completeness_max`` (logged when it was above)."""
+        value = float(update.stats["completeness"])
+        if self.completeness_max is not None and value > self.completeness_max:
+            ctx.log(f"FedIA round {ctx.round}: site '{update.site}' reported completeness {value:.4g}, "
+                    f"above {self.completeness_max:g}; clipped to {self.completeness_max:g}")
+            return self.completeness_max
+        return value
+
     def site_weights(self, updates: List[SiteUpdate], ctx: ServerContext) -> Optional[np.ndarray]:
         """Completeness-aware weights of the updates with samples, or None for size-weighted FedAvg."""
         used = [u for u in updates if u.num_samples > 0]
@@ -522,17 +607,24 @@ class FedIAServer(ServerRule):
             return None
         if self.fedavg_after_all_corrected and all(float(u.stats.get("corrected", 0)) == 1.0 for u in used):
             return None
-        return completeness_aware_weights([float(u.stats["completeness"]) for u in used],
-                                          [float(u.stats["mean_loss"]) for u in used], self.loss_floor)
+        weights = completeness_aware_weights([self.completeness_of(u, ctx) for u in used],
+                                             [float(u.stats["mean_loss"]) for u in used], self.loss_floor)
+        sizes = np.array([u.num_samples for u in used], dtype=np.float64)
+        return cap_weights(weights, sizes / sizes.sum(), self.max_weight_ratio)
 
     def aggregate(self, updates: List[SiteUpdate], ctx: ServerContext):
         weights = self.site_weights(updates, ctx)
-        if weights is None:
-            return fedavg_weights(updates), {"completeness_aware": 0}
         used = [u for u in updates if u.num_samples > 0]
+        ctx.report["completeness"] = {u.site: float(u.stats["completeness"]) for u in used}
+        ctx.report["completeness_ready"] = {u.site: int(float(u.stats["completeness_ready"])) for u in used}
+        if weights is None:
+            total = float(sum(u.num_samples for u in used)) or 1.0
+            ctx.report.update(rule="fedavg", weights={u.site: u.num_samples / total for u in used})
+            return fedavg_weights(updates), {"completeness_aware": 0}
+        ctx.report.update(rule="completeness_aware", weights={u.site: float(w) for u, w in zip(used, weights)})
         ctx.log(f"FedIA round {ctx.round}: completeness-aware weights "
                 + ", ".join(f"{u.site}={w:.4f}" for u, w in zip(used, weights)))
-        # fedavg_weights averages by num_samples / total: give it the softmax weights instead.
+        # fedavg_weights averages by num_samples / total: give it the weights instead.
         reweighted = [dataclasses.replace(u, num_samples=float(w)) for u, w in zip(used, weights) if w > 0]
         if not reweighted:  # every weight underflowed: cannot happen after the max-shift, but never NaN
             return fedavg_weights(updates), {"completeness_aware": 0}

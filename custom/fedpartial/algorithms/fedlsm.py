@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
-from fedpartial.algorithms.fedavg import fedavg_weights
+from fedpartial.algorithms.fedavg import capped_counts, fedavg_weights
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, DataError
 from fedpartial.training.common import (EMATeacher, images_to_tensor, iteration_batches, predict, probabilities,
@@ -651,7 +651,7 @@ class AWPAServer(ServerRule):
         sizes = np.array([u.num_samples for u in used], dtype=np.float64)
         self._num_classes(used[0], ctx)  # raises when the context names no classifier parameter
         if self.use_awpa:
-            row_weights = np.stack([np.asarray(u.stats["class_counts"], dtype=np.float64) for u in used])
+            row_weights = np.stack([capped_counts(u, "class_counts", ctx) for u in used])
         elif self.without_awpa == "masked":
             row_weights = np.stack([np.asarray(u.stats["annotated_classes"], dtype=np.float64) > 0.5
                                     for u in used]) * sizes[:, None]
@@ -659,6 +659,9 @@ class AWPAServer(ServerRule):
             row_weights = None
         if row_weights is not None:
             weights.update(average_classifier_rows(used, row_weights, ctx.classifier_param_names))
+            totals = row_weights.sum(axis=0)
+            shares = np.divide(row_weights, totals, out=np.zeros_like(row_weights), where=totals > 0)
+            ctx.report["class_row_weights"] = {u.site: shares[i].tolist() for i, u in enumerate(used)}
         stats = {}
         pos = [np.asarray(u.stats["label_pos"], dtype=np.float64) for u in updates if "label_pos" in u.stats]
         neg = [np.asarray(u.stats["label_neg"], dtype=np.float64) for u in updates if "label_neg" in u.stats]

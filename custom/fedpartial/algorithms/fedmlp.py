@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
-from fedpartial.algorithms.fedavg import fedavg_weights
+from fedpartial.algorithms.fedavg import capped_counts, fedavg_weights
 from fedpartial.algorithms.fedlsm import average_classifier_rows
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, DataError
@@ -759,11 +759,14 @@ class FedMLPServer(ServerRule):
             return weights, {"stage": 1, "t0": self.t0, "t1": self.t1}
         sizes = [float(u.num_samples) for u in with_stats]
         annotated = [np.asarray(u.stats["annotated"]).astype(bool) for u in with_stats]
-        p_neg, valid_neg = average_prototypes([u.stats["prototypes_neg"] for u in with_stats],
-                                              [u.stats["prototype_counts_neg"] for u in with_stats],
+        # a prototype's weight is its sample count, which cannot exceed the site's samples: capped
+        counts_neg = [capped_counts(u, "prototype_counts_neg", ctx) for u in with_stats]
+        counts_pos = [capped_counts(u, "prototype_counts_pos", ctx) for u in with_stats]
+        ctx.report["prototype_counts_pos"] = {u.site: c.tolist() for u, c in zip(with_stats, counts_pos)}
+        ctx.report["prototype_counts_neg"] = {u.site: c.tolist() for u, c in zip(with_stats, counts_neg)}
+        p_neg, valid_neg = average_prototypes([u.stats["prototypes_neg"] for u in with_stats], counts_neg,
                                               annotated, sizes, self.min_prototype_samples)
-        p_pos, valid_pos = average_prototypes([u.stats["prototypes_pos"] for u in with_stats],
-                                              [u.stats["prototype_counts_pos"] for u in with_stats],
+        p_pos, valid_pos = average_prototypes([u.stats["prototypes_pos"] for u in with_stats], counts_pos,
                                               annotated, sizes, self.min_prototype_samples)
         valid = valid_neg & valid_pos  # Z needs both prototypes
         degree = global_learning_degree([u.stats["learning_degree"] for u in with_stats], annotated, sizes)

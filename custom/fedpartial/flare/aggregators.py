@@ -19,7 +19,8 @@ from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.algorithms.base import ServerContext, SiteUpdate
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, atomic_write_json, build_model_from_settings,
-                                     build_rule, import_class, model_settings)
+                                     build_rule, import_class, jsonable, model_settings)
+from fedpartial.metrics.segmentation import pooled_validation
 
 METRICS_FILE = "metrics.json"
 
@@ -149,12 +150,23 @@ class RuleAggregator(Aggregator):
         # give the same model whichever site answers first
         weights, global_stats = self.rule.aggregate(sorted(self.updates, key=lambda u: u.site), ctx)
         check_weights(weights, ctx.global_weights)
-        self._record(fl_ctx, ctx.round)
+        if "weights" not in ctx.report:  # the rule averaged by sample counts
+            total = float(sum(u.num_samples for u in valid))
+            ctx.report["weights"] = {u.site: u.num_samples / total for u in sorted(valid, key=lambda u: u.site)}
+        pooled = pooled_validation({u.site: u.metrics.get("val") for u in self.updates})
+        if pooled is not None:
+            ctx.report["val_received_model"] = pooled
+            if pooled["n_images"] and pooled["predicted_lesion_share"] == 0:
+                self.log_warning(fl_ctx, f"round {ctx.round}: the global model the sites received predicts no lesion "
+                                         f"on any of the {pooled['n_images']} validation images of "
+                                         f"{pooled['sites']} site(s)")
+        self._record(fl_ctx, ctx.round, ctx.report)
         self.log_info(fl_ctx, f"round {ctx.round}: aggregated {len(self.updates)} update(s) with {self.rule_path}")
         return DXO(DataKind.WEIGHTS, data=weights, meta={GLOBAL_STATS: global_stats}).to_shareable()
 
-    def _record(self, fl_ctx: FLContext, round_num: int) -> None:
-        """Append this round's per-site metrics to metrics.json in the server's run folder."""
+    def _record(self, fl_ctx: FLContext, round_num: int, report: dict = None) -> None:
+        """Append this round's per-site metrics, and what the server rule decided (``server``:
+        per-site weights and the statistics behind them), to metrics.json in the server's run folder."""
         run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
         path = os.path.join(run_dir, METRICS_FILE)
         if not self.history and os.path.isfile(path):  # a server resumed from a snapshot keeps earlier rounds
@@ -164,6 +176,7 @@ class RuleAggregator(Aggregator):
                              "sites": {u.site: {"num_samples": u.num_samples, **u.metrics,
                                                 "bytes_weights": payload_bytes(u.weights),
                                                 "bytes_stats": payload_bytes(u.stats)} for u in self.updates},
+                             "server": jsonable(report or {}),
                              "rejected": dict(self.rejected)})
         atomic_write_json(path, {"rounds": self.history})
 

@@ -6,9 +6,11 @@ channel), i.e. foreground-only Dice / IoU. Scores are computed per image and ave
 images. ``ignore_empty=False``: an image where prediction and target are both empty scores
 1 (a correct "no lesion"), an image with an empty target but a non-empty prediction scores 0.
 
-:func:`overlap_summary` (what ``python -m fedpartial evaluate`` reports) differs on purpose: it
-leaves empty-truth-and-empty-prediction images out of its per-image means (counting them
-separately) and adds pooled Dice / IoU over all pixels.
+:func:`overlap_summary` is what site validation, the progress lines, model selection and
+``python -m fedpartial evaluate`` report: it leaves empty-truth-and-empty-prediction images out of
+its per-image means (counting them separately), adds pooled Dice / IoU over all pixels and the
+share of images in which the model predicts any lesion. :func:`segmentation_metrics` (per-image
+means, empty = 1) stays for the DSB2018 tables, where nearly every image holds nuclei.
 """
 from __future__ import annotations
 
@@ -103,7 +105,8 @@ def overlap_summary(tp, fp, fn) -> Dict[str, float]:
 
     Returns:
         ``{"dice_per_image", "iou_per_image", "dice_pooled", "iou_pooled", "n_images",
-        "n_empty_both"}``.
+        "n_empty_both", "predicted_lesion_share"}``; ``predicted_lesion_share`` is the share of
+        images with any predicted foreground pixel (0 = the model predicts no lesion at all).
     """
     tp, fp, fn = (np.asarray(a, dtype=np.float64) for a in (tp, fp, fn))
     scored = (tp + fp + fn) > 0
@@ -115,4 +118,46 @@ def overlap_summary(tp, fp, fn) -> Dict[str, float]:
             "iou_per_image": float(iou.mean()) if iou.size else nan,
             "dice_pooled": float(2 * T / (2 * T + P + N)) if T + P + N else nan,
             "iou_pooled": float(T / (T + P + N)) if T + P + N else nan,
-            "n_images": int(tp.size), "n_empty_both": int((~scored).sum())}
+            "n_images": int(tp.size), "n_empty_both": int((~scored).sum()),
+            "predicted_lesion_share": float(((tp + fp) > 0).mean()) if tp.size else nan}
+
+
+def validation_metrics(pred, target) -> Dict[str, float]:
+    """What a site reports for its val split: :func:`overlap_summary` plus the summed pixel counts
+    ``tp`` / ``fp`` / ``fn``, so that the server can pool Dice over every site's pixels
+    (:func:`pooled_validation`). Undefined (NaN) scores are left out.
+
+    Args:
+        pred: predicted masks ``(N, H, W)``.
+        target: reference masks of the same shape.
+    """
+    counts = overlap_counts(pred, target)
+    out = overlap_summary(counts["tp"], counts["fp"], counts["fn"])
+    out.update({k: int(v.sum()) for k, v in counts.items()})
+    return {k: v for k, v in out.items() if not (isinstance(v, float) and np.isnan(v))}
+
+
+POOLED_KEYS = ("tp", "fp", "fn", "n_images", "predicted_lesion_share")
+
+
+def pooled_validation(site_metrics: Dict[str, dict]):
+    """Pooled Dice over every site's val pixels, and the share of val images with a predicted
+    lesion, from the sites' :func:`validation_metrics`.
+
+    Args:
+        site_metrics: ``{site: metrics}``; sites without the pixel counts are skipped.
+
+    Returns:
+        ``{"dice_pooled", "predicted_lesion_share", "n_images", "sites"}`` or None when no site
+        sent pixel counts (classification, or no val split). ``dice_pooled`` is NaN when no site
+        has a lesion pixel in truth or prediction.
+    """
+    used = {s: m for s, m in site_metrics.items() if m and all(k in m for k in POOLED_KEYS)}
+    if not used:
+        return None
+    tp, fp, fn = (float(sum(m[k] for m in used.values())) for k in ("tp", "fp", "fn"))
+    n = float(sum(m["n_images"] for m in used.values()))
+    with_lesion = sum(m["predicted_lesion_share"] * m["n_images"] for m in used.values())
+    return {"dice_pooled": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else float("nan"),
+            "predicted_lesion_share": with_lesion / n if n else float("nan"), "n_images": int(n),
+            "sites": len(used)}

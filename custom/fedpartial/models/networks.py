@@ -219,6 +219,11 @@ class UNet2D(FedModel):
         channels: feature channels per level.
         strides: downsampling per level (``len(channels) - 1`` entries).
         num_res_units: residual units per block.
+        foreground_prior: the foreground probability the untrained model predicts everywhere: the
+            output bias starts at ``log(p / (1 - p))`` (0 = MONAI's initialisation). For sparse
+            lesions (e.g. 0.01): a model that starts at 50 % foreground is driven to all-background
+            by the first steps and can stay there for most of a run; one that starts at the lesions'
+            share of the pixels learns them from the first rounds.
         **monai_args: passed to ``monai.networks.nets.UNet`` (e.g. ``dropout``, ``norm``).
     """
 
@@ -226,15 +231,19 @@ class UNet2D(FedModel):
     task_kind = SEGMENTATION
 
     def __init__(self, num_classes: int, in_channels: int = 1, channels=(16, 32, 64, 128), strides=(2, 2, 2),
-                 num_res_units: int = 2, **monai_args):
+                 num_res_units: int = 2, foreground_prior: float = 0.0, **monai_args):
         super().__init__()
         from monai.networks.nets import UNet
 
         channels, strides = tuple(int(c) for c in channels), tuple(int(s) for s in strides)
         if len(strides) != len(channels) - 1:
             raise ValueError(f"unet: need len(strides) == len(channels) - 1, got channels={channels} strides={strides}")
-        self._describe(num_classes, in_channels, {"channels": channels, "strides": strides,
-                                                  "num_res_units": int(num_res_units), **monai_args})
+        if not 0.0 <= float(foreground_prior) < 1.0:
+            raise ValueError(f"unet: foreground_prior must be in [0, 1), got {foreground_prior}")
+        described = {"channels": channels, "strides": strides, "num_res_units": int(num_res_units), **monai_args}
+        if foreground_prior:
+            described["foreground_prior"] = float(foreground_prior)
+        self._describe(num_classes, in_channels, described)
         try:
             self.net = UNet(spatial_dims=2, in_channels=self.in_channels, out_channels=self.num_classes,
                             channels=channels, strides=strides, num_res_units=int(num_res_units), **monai_args)
@@ -244,6 +253,10 @@ class UNet2D(FedModel):
         # The final conv (the "classifier" of segmentation): the last conv module in the net.
         convs = [m for m in self.net.modules() if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]
         self._final_conv_index = len(convs) - 1
+        if foreground_prior:
+            p = float(foreground_prior)
+            with torch.no_grad():
+                self.classifier_module().bias.fill_(math.log(p / (1.0 - p)))
 
     def classifier_module(self) -> nn.Module:
         convs = [m for m in self.net.modules() if isinstance(m, (nn.Conv2d, nn.ConvTranspose2d))]
