@@ -174,6 +174,28 @@ def test_folder_of_site_files_scores_annotated_entries_only(site_folder, monkeyp
     assert ["b", "1.0000", "1.0000", "0.0000", "2", "4"] in [line.split() for line in lines]  # no p >= .5: F1 0
 
 
+def test_site_file_without_val_needs_split_train(tmp_path, monkeypatch, capsys):
+    # a site imported without a val split holds only the data a model trained with it has seen
+    split = Split(np.repeat(np.array([10, 20, 30, 40], np.uint8)[:, None, None], 8, 1).repeat(8, 2),
+                  np.array([[0, 0], [1, 0], [0, 1], [1, 1]], np.float32), np.ones((4, 2), bool))
+    path = tmp_path / "site-1.npz"
+    write_site_file(str(path), Dataset("multi-label", ["a", "b"], {"train": split}, site="site-1"))
+    meta = _meta("multi-label", ["a", "b"], (8, 8))
+    with pytest.raises(DataError, match=r"^site file '.*site-1.npz' has no val split, only 'train', the data a model "
+                                        r"trained with this site has learnt from; pass --split train to score that "
+                                        r"split anyway \(or import the site with --val-fraction\)$"):
+        evaluate_data(Brightness(), meta, str(path))
+    out = evaluate_data(Brightness(), meta, str(path), split="train")
+    assert out["split"] == "train" and out["n"] == 4
+    # the table's a: negatives 10, 30; positives 20 (beats 10), 40 (beats both) -> 3/4
+    assert out["per_class"]["a"]["auc"] == pytest.approx(0.75)
+    monkeypatch.setattr("fedpartial.models.io.load_model_file", lambda p, device="cpu": (Brightness(), meta))
+    with pytest.raises(SystemExit):
+        cli(["evaluate", "--model", "stub.pt", "--data", str(path), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: site file '{path}' has no val split") and err.count("\n") == 1
+
+
 def test_label_mask_all_true_changes_nothing():
     rng = np.random.default_rng(1)
     probs, labels = rng.random((12, 3)), (rng.random((12, 3)) > 0.5).astype(float)

@@ -34,9 +34,9 @@ def test_dicom_blank_cells_are_unannotated(tmp_path):
     (tmp_path / "labels.csv").write_text("file,bleed,fracture,tumour,patient_id\n"
                                          "CT_small.dcm,1,,0,p7\n"
                                          "MR_small.dcm,0.0,,1.0,\n")
-    data = load_dicom_folder(str(tmp_path), str(tmp_path / "labels.csv"), size=32)
+    data = load_dicom_folder(str(tmp_path), str(tmp_path / "labels.csv"), size=32, allow_mixed_modality=True)
     train = data.splits["train"]
-    assert list(data.splits) == ["train"] and data.task == "multi-label"
+    assert list(data.splits) == ["train"] and data.task == "single-label"  # no row has two 1s
     assert data.class_names == ["bleed", "fracture", "tumour"]
     assert train.labels.tolist() == [[1, 0, 0], [0, 0, 1]]
     assert train.label_mask.tolist() == [[True, False, True], [True, False, True]]
@@ -272,6 +272,260 @@ def test_image_and_nifti_errors(tmp_path):
         pair_nifti_files(str(tmp_path / "lonely"), str(tmp_path / "vol_mask.nii.gz"))
 
 
+# ---- bad inputs: NaN / Inf, windows, modalities, affines, damaged CSVs ------------------------------
+def _float_dicom(path, pixels):
+    """A single-frame DICOM file with 32-bit float pixel data (Float Pixel Data)."""
+    from pydicom.dataset import FileDataset, FileMetaDataset
+    from pydicom.uid import ExplicitVRLittleEndian, generate_uid
+
+    meta = FileMetaDataset()
+    meta.MediaStorageSOPClassUID = "1.2.840.10008.5.1.4.1.1.2"
+    meta.MediaStorageSOPInstanceUID = generate_uid()
+    meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    ds = FileDataset(str(path), {}, file_meta=meta, preamble=b"\0" * 128)
+    ds.Rows, ds.Columns = pixels.shape
+    ds.SamplesPerPixel, ds.BitsAllocated, ds.PhotometricInterpretation = 1, 32, "MONOCHROME2"
+    ds.FloatPixelData = pixels.astype("<f4").tobytes()
+    ds.save_as(str(path), enforce_file_format=True)
+    return str(path)
+
+
+def test_float_pixels_with_nan_or_inf_are_refused(tmp_path):
+    import nibabel as nib
+    from PIL import Image
+
+    from fedpartial_tools.dicom import dicom_to_uint8
+    from fedpartial_tools.images import image_to_uint8
+    from fedpartial_tools.nifti import load_nifti_pairs
+
+    # finite floats are min-max scaled: 0, 1, 2, 3 -> 0, 85, 170, 255
+    ok = _float_dicom(tmp_path / "ok.dcm", np.array([[0, 1], [2, 3]]))
+    assert dicom_to_uint8(ok).tolist() == [[0, 85], [170, 255]]
+    bad = _float_dicom(tmp_path / "bad.dcm", np.array([[0, np.nan], [np.inf, 3]]))
+    with pytest.raises(DataError, match=r"^DICOM file '.*bad.dcm' holds 2 NaN / Inf value\(s\), the first \(nan\) at "
+                                        r"frame 0, row 0, column 1; they map to no grey level$"):
+        dicom_to_uint8(bad)
+    Image.fromarray(np.array([[0, 1], [2, 3]], np.float32), "F").save(tmp_path / "ok.tif")
+    assert image_to_uint8(str(tmp_path / "ok.tif")).tolist() == [[0, 85], [170, 255]]
+    Image.fromarray(np.array([[0, 1], [-np.inf, 3]], np.float32), "F").save(tmp_path / "bad.tif")
+    with pytest.raises(DataError, match=r"^image '.*bad.tif' holds 1 NaN / Inf value\(s\), the first \(-inf\) at "
+                                        r"row 1, column 0; they map to no grey level$"):
+        image_to_uint8(str(tmp_path / "bad.tif"))
+    volume = np.zeros((3, 4, 2), np.float32)
+    volume[1, 2, 0] = np.nan
+    nib.save(nib.Nifti1Image(volume, np.eye(4)), str(tmp_path / "vol.nii.gz"))
+    nib.save(nib.Nifti1Image(np.zeros((3, 4, 2), np.float32), np.eye(4)), str(tmp_path / "vol_mask.nii.gz"))
+    with pytest.raises(DataError, match=r"^NIfTI file '.*vol.nii.gz' holds 1 NaN / Inf value\(s\), the first \(nan\) "
+                                        r"at i 1, j 2, k 0; they map to no grey level$"):
+        load_nifti_pairs([str(tmp_path / "vol.nii.gz")], [str(tmp_path / "vol_mask.nii.gz")])
+
+
+@pytest.mark.filterwarnings("ignore:Invalid value for VR DS")  # pydicom's own warning about 'NaN'
+@pytest.mark.parametrize("width, shown", [("0", "0.0"), ("-80", "-80.0"), ("NaN", "nan")])
+def test_dicom_window_width_must_be_a_finite_number_above_0(tmp_path, width, shown):
+    import pydicom
+
+    from fedpartial_tools.dicom import dicom_to_uint8, parse_window
+
+    ds = pydicom.dcmread(_testdata("CT_small.dcm", tmp_path))
+    ds.WindowCenter, ds.WindowWidth = "40", width
+    ds.save_as(str(tmp_path / "w.dcm"))
+    with pytest.raises(DataError, match=rf"^DICOM file '.*w.dcm': its window \(WindowCenter 40.0, WindowWidth "
+                                        rf"{shown}\) needs a finite centre and a finite width > 0; pass --window"):
+        dicom_to_uint8(str(tmp_path / "w.dcm"))
+    # a window given at import replaces the file's: pixel (0, 49) is HU 29 -> 92 in the brain window
+    assert dicom_to_uint8(str(tmp_path / "w.dcm"), "brain")[0, 49] == 92
+    with pytest.raises(DataError, match=rf"^window '40,{width}': width must be a finite number > 0$"):
+        parse_window(f"40,{width}")
+
+
+@pytest.mark.filterwarnings("ignore:Invalid value for VR DS")  # pydicom's own warning about 'NaN'
+def test_dicom_rescale_must_be_finite(tmp_path):
+    import pydicom
+
+    from fedpartial_tools.dicom import dicom_to_uint8
+
+    ds = pydicom.dcmread(_testdata("CT_small.dcm", tmp_path))
+    ds.RescaleSlope = "NaN"
+    ds.save_as(str(tmp_path / "r.dcm"))
+    with pytest.raises(DataError, match=r"^DICOM file '.*r.dcm': RescaleSlope nan / RescaleIntercept -1024.0 must be "
+                                        r"finite numbers$"):
+        dicom_to_uint8(str(tmp_path / "r.dcm"), "brain")
+
+
+def test_window_centre_must_be_finite():
+    from fedpartial_tools.dicom import parse_window
+
+    with pytest.raises(DataError, match=r"^window 'nan,80': centre must be a finite number$"):
+        parse_window("nan,80")
+    with pytest.raises(DataError, match=r"width must be a finite number > 0"):
+        parse_window((40.0, float("inf")))
+
+
+def test_dicom_modalities_do_not_mix_unless_allowed(tmp_path, capsys):
+    from fedpartial_tools.dicom import load_dicom_folder
+
+    _testdata("CT_small.dcm", tmp_path)
+    _testdata("CT_small.dcm", tmp_path, "CT_b.dcm")
+    _testdata("MR_small.dcm", tmp_path)
+    (tmp_path / "m.csv").write_text("file,a\nCT_small.dcm,1\nCT_b.dcm,0\nMR_small.dcm,1\n")
+    with pytest.raises(DataError, match=r"^manifest '.*m.csv' line 4, column 'file': DICOM file '.*MR_small.dcm' is MR "
+                                        r"but '.*CT_small.dcm' \(line 2\) is CT; one site's images are expected from "
+                                        r"one modality \(pass --allow-mixed-modality to import them together\)$"):
+        load_dicom_folder(str(tmp_path), str(tmp_path / "m.csv"), size=16)
+    data = load_dicom_folder(str(tmp_path), str(tmp_path / "m.csv"), size=16, allow_mixed_modality=True)
+    assert len(data.splits["train"]) == 3 and data.info["modalities"] == ["CT", "MR"]
+    # the CLI without the flag: a one-line error, no site file
+    with pytest.raises(SystemExit) as e:
+        cli(["import", "dicom", "--folder", str(tmp_path), "--labels", str(tmp_path / "m.csv"), "--site", "s",
+             "--out", str(tmp_path / "s.npz"), "--size", "16"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "is MR but" in err and not (tmp_path / "s.npz").exists()
+
+
+def test_nifti_image_and_mask_affines_must_agree(tmp_path):
+    import nibabel as nib
+
+    from fedpartial_tools.nifti import load_nifti_pairs
+
+    volume = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    nib.save(nib.Nifti1Image(volume, np.eye(4)), str(tmp_path / "p.nii.gz"))
+    shifted = np.eye(4)
+    shifted[0, 3] = 2.5  # the mask's grid starts 2.5 mm further along x
+    nib.save(nib.Nifti1Image(np.zeros_like(volume), shifted), str(tmp_path / "p_mask.nii.gz"))
+    with pytest.raises(DataError, match=r"^image '.*p.nii.gz' and mask '.*p_mask.nii.gz' have different affines "
+                                        r"\(voxel-to-world; entries differ by up to 2.5\): image \[\[1.0, 0.0, 0.0, "
+                                        r"0.0\], .*mask \[\[1.0, 0.0, 0.0, 2.5\], .*does not lie on its image's voxel "
+                                        r"grid$"):
+        load_nifti_pairs([str(tmp_path / "p.nii.gz")], [str(tmp_path / "p_mask.nii.gz")])
+    rounded = np.eye(4)
+    rounded[0, 3] = 1e-5  # float32 header rounding: the same grid
+    nib.save(nib.Nifti1Image(np.zeros_like(volume), rounded), str(tmp_path / "p_mask.nii.gz"))
+    assert len(load_nifti_pairs([str(tmp_path / "p.nii.gz")], [str(tmp_path / "p_mask.nii.gz")]).splits["train"]) == 4
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"file,a,b\nok.png,1,0\nok2.png,1\n",
+     r"line 3: 2 cells but the header has 3 columns \(no cell for \['b'\]\); a blank cell still needs its comma$"),
+    (b"file,a,b,a\nok.png,1,0,1\n", r"line 1: the header names column 'a' twice \(columns 2 and 4\)$"),
+    (b"file,a\nok.png,1\ncaf\xe9.png,0\n", r"line 3 is not UTF-8 text \(byte 0xe9\); save the CSV as UTF-8"),
+    (b"file,a\nok.png,1\n" + b"x" * 200_000 + b",0\n",
+     r"line 3: not valid CSV \(field larger than field limit \(131072\)\)$"),
+])
+def test_damaged_csv_names_file_and_line(tmp_path, capsys, content, message):
+    from fedpartial_tools.images import load_image_folder
+
+    _png(tmp_path / "ok.png", np.zeros((4, 4), np.uint8))
+    _png(tmp_path / "ok2.png", np.zeros((4, 4), np.uint8))
+    (tmp_path / "m.csv").write_bytes(content)
+    with pytest.raises(DataError, match=r"^manifest '.*m.csv' " + message):
+        load_image_folder(str(tmp_path), str(tmp_path / "m.csv"))
+    # through the CLI: one line on stderr, no traceback
+    with pytest.raises(SystemExit):
+        cli(["import", "images", "--folder", str(tmp_path), "--labels", str(tmp_path / "m.csv"), "--site", "s",
+             "--out", str(tmp_path / "s.npz")])
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: manifest '{tmp_path / 'm.csv'}' ") and err.count("\n") == 1
+
+
+def test_pairs_csv_short_row_names_file_and_line(tmp_path):
+    from fedpartial_tools.nifti import read_pairs_csv
+
+    _volumes(tmp_path)
+    (tmp_path / "pairs.csv").write_text("image,mask,split\nimg/p1.nii.gz,msk/p1_seg.nii.gz\n")
+    with pytest.raises(DataError, match=r"^pairs CSV '.*pairs.csv' line 2: 2 cells but the header has 3 columns "
+                                        r"\(no cell for \['split'\]\)"):
+        read_pairs_csv(str(tmp_path / "pairs.csv"))
+
+
+def test_unreadable_files_and_decompression_bombs_name_the_file(tmp_path, monkeypatch, capsys):
+    import PIL.Image
+
+    from fedpartial_tools import images
+    from fedpartial_tools.images import image_to_uint8, read_manifest
+
+    _png(tmp_path / "big.png", np.zeros((6, 6), np.uint8))
+    monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 10)  # PIL refuses images over twice this: 36 > 20
+    with pytest.raises(DataError, match=r"^image '.*big.png' is refused by PIL's decompression-bomb guard \(Image "
+                                        r"size \(36 pixels\) exceeds limit of 20 pixels"):
+        image_to_uint8(str(tmp_path / "big.png"))
+    monkeypatch.undo()
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    # running as root ignores file modes, so the refusal is simulated where each reader opens the file
+    monkeypatch.setattr(PIL.Image, "open", denied)
+    with pytest.raises(DataError, match=r"^image '.*big.png' is unreadable \(PermissionError: \[Errno 13\] Permission "
+                                        r"denied: '.*big.png'\)$"):
+        image_to_uint8(str(tmp_path / "big.png"))
+    (tmp_path / "m.csv").write_text("file,a\nbig.png,1\n")
+    monkeypatch.setattr(images, "open", denied, raising=False)
+    with pytest.raises(DataError, match=r"^manifest '.*m.csv' cannot be read \(PermissionError: Permission denied\)$"):
+        read_manifest(str(tmp_path / "m.csv"))
+    monkeypatch.undo()
+    # the site file cannot be written: the CLI prints the OSError's one line, which names the file
+    monkeypatch.setattr("fedpartial.data.sitefile.write_site_file", lambda path, data: denied(path))
+    with pytest.raises(SystemExit) as e:
+        cli(["import", "images", "--folder", str(tmp_path), "--labels", str(tmp_path / "m.csv"), "--site", "s",
+             "--out", str(tmp_path / "s.npz")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"error: [Errno 13] Permission denied: '{tmp_path / 's.npz'}'\n"
+
+
+def test_nifti_import_prints_no_nvimagecodec_warning(tmp_path, caplog):
+    import warnings
+
+    from fedpartial_tools.nifti import load_nifti_pairs, pair_nifti_files
+
+    _volumes(tmp_path)
+    images, masks, names = pair_nifti_files(str(tmp_path / "img"), str(tmp_path / "msk"))
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING"):
+        warnings.simplefilter("always")
+        load_nifti_pairs(images, masks, patient_ids=names)
+    assert [str(w.message) for w in caught] == [] and caplog.records == []
+
+
+# ---- the task a per-class CSV means -----------------------------------------------------------------
+@pytest.mark.parametrize("csv_text, task, reason", [
+    # dermoscopy: one class per image, each site annotating some classes (blank = not annotated)
+    ("image,MEL,NV,BCC,AK\n1,1,0,,\n2,0,1,,\n3,0,0,,\n4,,,1,0\n", "single-label",
+     "no row has more than one class at 1 (pass --task multi-label if one image can hold several classes)"),
+    ("image,bleed,fracture,tumour\n1,1,0,\n2,1,1,0\n", "multi-label",
+     "line 3 has 2 classes at 1 ['bleed', 'fracture']"),
+    ("image,bleed,fracture\n1,1,\n2,0,0\n", "multi-label",
+     "line 3 annotates every class and none is 1 (an image with no finding)"),
+    ("image,label\n1,cat\n2,dog\n", "single-label", "every 'label' cell holds one class"),
+    ("image,label\n1,cat\n2,cat|dog\n", "multi-label", "line 3's 'label' cell lists several classes"),
+    ("image,label\n1,cat\n2,\n", "multi-label", "line 3's 'label' cell is empty"),
+])
+def test_task_is_inferred_from_the_csv_with_a_reason(tmp_path, csv_text, task, reason):
+    from fedpartial_tools.images import read_manifest
+
+    (tmp_path / "m.csv").write_text(csv_text)
+    manifest = read_manifest(str(tmp_path / "m.csv"))
+    assert (manifest.task, manifest.task_reason) == (task, reason)
+    given = read_manifest(str(tmp_path / "m.csv"), task="multi-label")
+    assert (given.task, given.task_reason) == ("multi-label", "given")
+
+
+def test_import_summary_says_the_task_and_why(tmp_path, capsys):
+    for i in range(4):
+        _png(tmp_path / f"d{i}.png", np.full((4, 4), 60 * i, np.uint8))
+    (tmp_path / "labels.csv").write_text("image_id,MEL,NV,BCC\nd0,1,0,\nd1,0,1,\nd2,0,0,\nd3,1,0,\n")
+    cli(["import", "images", "--folder", str(tmp_path), "--labels", str(tmp_path / "labels.csv"), "--site", "h1",
+         "--out", str(tmp_path / "h1.npz")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("site 'h1': single-label, 4 images")
+    assert lines[1] == ("  task  single-label, inferred: no row has more than one class at 1 (pass --task multi-label "
+                        "if one image can hold several classes)")
+    data = load_site_file(str(tmp_path / "h1.npz"))
+    assert data.task == "single-label" and data.info["task_reason"].startswith("no row has more than one class")
+    cli(["import", "images", "--folder", str(tmp_path), "--labels", str(tmp_path / "labels.csv"), "--site", "h1",
+         "--out", str(tmp_path / "h1m.npz"), "--task", "multi-label"])
+    assert capsys.readouterr().out.splitlines()[1] == "  task  multi-label, given with --task"
+
+
 # ---- CLI ------------------------------------------------------------------------------------------
 def test_cli_import_dicom_writes_site_file_and_summary(tmp_path, capsys):
     _testdata("CT_small.dcm", tmp_path)
@@ -279,7 +533,7 @@ def test_cli_import_dicom_writes_site_file_and_summary(tmp_path, capsys):
     (tmp_path / "labels.csv").write_text("file,bleed,fracture,tumour\nCT_small.dcm,1,,0\nMR_small.dcm,0,,\n")
     out = tmp_path / "site-3.npz"
     cli(["import", "dicom", "--folder", str(tmp_path), "--labels", str(tmp_path / "labels.csv"), "--site", "site-3",
-         "--out", str(out), "--window", "brain", "--size", "16"])
+         "--out", str(out), "--window", "brain", "--size", "16", "--allow-mixed-modality"])
     text = capsys.readouterr().out
     data = load_site_file(str(out), expected_site="site-3")
     assert data.splits["train"].images.shape == (2, 16, 16) and "val" not in data.splits
@@ -289,7 +543,11 @@ def test_cli_import_dicom_writes_site_file_and_summary(tmp_path, capsys):
     # bleed: annotated 2, positive 1; fracture: annotated nowhere; tumour: annotated 1, positive 0
     assert [line.split() for line in text.splitlines() if line.strip().split()[0] in ("bleed", "fracture", "tumour")] \
         == [["bleed", "2", "1", "0"], ["fracture", "0", "0", "2"], ["tumour", "1", "0", "1"]]
-    assert "warning: site 'site-3' annotates class(es) ['fracture'] at no image" in text
+    assert text.splitlines()[1] == ("  task  single-label, inferred: no row has more than one class at 1 (pass --task "
+                                    "multi-label if one image can hold several classes)")
+    assert ("warning: site 'site-3' does not annotate class(es) ['fracture']: no image of any split has a label "
+            "(1 or 0) for them, so the site gives them neither positives nor negatives") in text
+    assert data.info["modalities"] == ["CT", "MR"]
 
 
 def test_scanner_like_ct_slices_round_trip_through_the_brain_window(tmp_path, capsys):
@@ -389,8 +647,9 @@ def test_imported_sites_train_one_fedavg_round(tmp_path):
             _png(folder / f"{i}.png", image)
             rows.append(f"{i},{'' if blank == 'a' else a},{'' if blank == 'b' else b}\n")
         (folder / "labels.csv").write_text("image_id,a,b\n" + "".join(rows))
+        # one class column per site cannot show two 1s in a row, so the task is given
         cli(["import", "images", "--folder", str(folder), "--labels", str(folder / "labels.csv"),
-             "--site", f"site-{k}", "--out", str(sites / f"site-{k}.npz")])
+             "--site", f"site-{k}", "--out", str(sites / f"site-{k}.npz"), "--task", "multi-label"])
     summary = simulate(str(REPO / "jobs" / "fedavg"), str(sites), str(tmp_path / "ws"),
                        ["num_rounds=1", "model.arch_args={\"width\": 8, \"depth\": 2}",
                         *dataset_overrides(str(sites))], timeout=240)

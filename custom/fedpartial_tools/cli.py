@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a site file; a site folder; or a folder of site files / site folders, scored per site "
                         "and pooled")
     s.add_argument("--split", default=None,
-                   help="split to score (default: 'val' for site files; else 'test', or the only split present)")
+                   help="split to score (default: 'val' for site files, which without one need --split train; "
+                        "else 'test', or the only split present)")
     s.add_argument("--threshold", type=float, default=0.5,
                    help="probability threshold of multi-label and segmentation decisions")
     s.add_argument("--device", default="auto")
@@ -238,7 +239,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, PermissionError, RuntimeError) as e:  # an OSError's text names its file
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
 

@@ -79,7 +79,8 @@ def pick_split(data, requested: Optional[str], path: str) -> str:
         data: a loaded :class:`fedpartial.data.types.Dataset`.
         requested: the user's ``--split``; None picks the default: ``val`` for a site file
             (site files hold train/val, the site's own held-out data), else ``test`` when
-            present, else the only split there is.
+            present, else the only split there is. A site file's train split is never a
+            default: it is the data the model trained on.
         path: the file, for error messages.
 
     Raises:
@@ -94,6 +95,10 @@ def pick_split(data, requested: Optional[str], path: str) -> str:
     preferred = "val" if data.site else "test"
     if preferred in data.splits:
         return preferred
+    if data.site and present == ["train"]:
+        raise DataError(f"site file '{path}' has no val split, only 'train', the data a model trained with this "
+                        f"site has learnt from; pass --split train to score that split anyway (or import the site "
+                        f"with --val-fraction)")
     if len(present) == 1:
         return present[0]
     raise DataError(f"'{path}' has no '{preferred}' split and several others ({sorted(present)}): choose one "

@@ -19,13 +19,18 @@ Manifest (CSV with a header row), one row per image (DICOM: per file / series):
     (an empty cell or ``No Finding`` = no positive class). Every class listed in
     ``annotated_classes`` (default: all) is annotated at every row, the others at none.
 
-The task is multi-label for the column form unless ``task='single-label'`` (then a row holds at
-most one 1; all-zero rows with blanks are "a class this site does not annotate"), and for the
-label form when ``task`` says so or some cell holds ``|`` or is empty; else single-label.
+The task, unless ``task`` gives it: the column form is single-label when no row holds more than one
+1 and no row that annotates every class is all 0 (an all-zero row with blanks is "an image of a
+class this site does not annotate"), else multi-label; the label form is multi-label when some
+cell holds ``|`` or is empty, else single-label. ``Manifest.task_reason`` says why.
+
+Every row has as many cells as the header has columns (a blank cell is an empty cell, not a
+missing one), and no two header columns share a name.
 """
 from __future__ import annotations
 
 import csv
+import io
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -43,6 +48,8 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".PNG", ".JPG", ".JPEG")
 # NIH writes "No Finding" where an image has no positive class.
 NO_FINDING = ("no finding",)
 _ONE, _ZERO = ("1", "1.0"), ("0", "0.0")
+# PIL modes of 16-bit and float images (scaled by their own min and max)
+_DEEP_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N", "F")
 
 
 def resize_image(image: np.ndarray, size: Optional[Sequence[int]]) -> np.ndarray:
@@ -87,6 +94,7 @@ class Manifest:
     id_column: str
     label_form: str  # "columns" or "label"
     unannotated_columns: List[str]  # classes given by the caller without a column in the CSV
+    task_reason: str = "given"  # why the task is what it is: "given", or what in the CSV decided it
 
 
 def _first_present(columns: Sequence[str], candidates: Sequence[str]) -> Optional[str]:
@@ -105,6 +113,79 @@ def _class_of(token: str, names: List[str], where: str, column: str = "label") -
     return names.index(token)
 
 
+def check_finite(values: np.ndarray, what: str, axes: Sequence[str]) -> None:
+    """Refuse NaN / Inf values: they have no grey level, and casting them to uint8 gives arbitrary
+    values.
+
+    Args:
+        values: the pixel or voxel values.
+        what: the file, as messages name it (``DICOM file '...'``).
+        axes: the names of the axes of ``values``, for the position of the first bad value.
+
+    Raises:
+        DataError: naming ``what``, the count and the first position of the NaN / Inf values.
+    """
+    bad = ~np.isfinite(values)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        where = ", ".join(f"{axis} {i}" for axis, i in zip(axes, first))
+        raise DataError(f"{what} holds {int(bad.sum())} NaN / Inf value(s), the first ({values[first]}) at "
+                        f"{where}; they map to no grey level")
+
+
+def read_csv_table(path: str, what: str = "manifest") -> Tuple[List[str], List[Tuple[int, Dict[str, str]]]]:
+    """The header and the non-blank rows of a CSV (cells stripped), each row with its 1-based line.
+
+    Args:
+        path: the CSV file: UTF-8 (Excel's BOM allowed), a header row, then rows.
+        what: how messages name the file (``manifest``, ``pairs CSV``).
+
+    Raises:
+        DataError: naming the file (and the line or column) when it is missing, unreadable, not
+            UTF-8, not valid CSV or empty, repeats a header column, or has a row whose cell count
+            differs from the header's.
+    """
+    if not os.path.isfile(path):
+        raise DataError(f"{what} '{path}' not found")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise DataError(f"{what} '{path}' cannot be read ({type(e).__name__}: {e.strerror or e})") from e
+    try:
+        text = raw.decode("utf-8-sig")  # utf-8-sig: Excel's BOM
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise DataError(f"{what} '{path}' line {line} is not UTF-8 text (byte 0x{raw[e.start]:02x}); save the "
+                        f"CSV as UTF-8 (Excel: 'CSV UTF-8')") from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    rows: List[Tuple[int, Dict[str, str]]] = []
+    try:
+        header = next(reader, None)
+        if header is None:
+            raise DataError(f"{what} '{path}' is empty (no header row)")
+        columns = [c.strip() for c in header]
+        for i, name in enumerate(columns):
+            if name in columns[:i]:
+                raise DataError(f"{what} '{path}' line {reader.line_num}: the header names column "
+                                f"'{name}' twice (columns {columns.index(name) + 1} and {i + 1})")
+        for record in reader:
+            if not any(cell.strip() for cell in record):
+                continue  # a blank line (often the last one)
+            if len(record) > len(columns):
+                raise DataError(f"{what} '{path}' line {reader.line_num}: {len(record)} cells but the header has "
+                                f"{len(columns)} columns")
+            if len(record) < len(columns):
+                missing = columns[len(record):]
+                raise DataError(f"{what} '{path}' line {reader.line_num}: {len(record)} cells but the header has "
+                                f"{len(columns)} columns (no cell for {missing}); a blank cell still needs its "
+                                f"comma")
+            rows.append((reader.line_num, {c: v.strip() for c, v in zip(columns, record)}))
+    except csv.Error as e:
+        raise DataError(f"{what} '{path}' line {reader.line_num}: not valid CSV ({e})") from None
+    return columns, rows
+
+
 def read_manifest(manifest_csv: str, class_names: Optional[List[str]] = None, task: Optional[str] = None,
                   annotated_classes: Optional[Sequence[str]] = None, label_column: Optional[str] = None) -> Manifest:
     """Parse a CSV manifest (format in the module docstring) into labels and label masks.
@@ -120,25 +201,9 @@ def read_manifest(manifest_csv: str, class_names: Optional[List[str]] = None, ta
     Raises:
         DataError: naming the manifest, line and column of any bad cell, duplicate id or split.
     """
-    if not os.path.isfile(manifest_csv):
-        raise DataError(f"manifest '{manifest_csv}' not found")
     if task not in (None, SINGLE_LABEL, MULTI_LABEL):
         raise DataError(f"manifest '{manifest_csv}': task '{task}' is not {SINGLE_LABEL} or {MULTI_LABEL}")
-    with open(manifest_csv, newline="", encoding="utf-8-sig") as f:  # utf-8-sig: Excel's BOM
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            raise DataError(f"manifest '{manifest_csv}' is empty (no header row)")
-        columns = [c.strip() for c in header]
-        rows: List[Tuple[int, Dict[str, str]]] = []
-        for record in reader:
-            if not any(cell.strip() for cell in record):
-                continue  # a blank line (often the last one)
-            if len(record) > len(columns):
-                raise DataError(f"manifest '{manifest_csv}' line {reader.line_num}: {len(record)} cells but the "
-                                f"header has {len(columns)} columns")
-            record = record + [""] * (len(columns) - len(record))
-            rows.append((reader.line_num, {c: v.strip() for c, v in zip(columns, record)}))
+    columns, rows = read_csv_table(manifest_csv)
     id_column = _first_present(columns, ID_COLUMNS)
     if id_column is None:
         raise DataError(f"manifest '{manifest_csv}' has no id column (one of {list(ID_COLUMNS)}; has {columns})")
@@ -175,13 +240,20 @@ def read_manifest(manifest_csv: str, class_names: Optional[List[str]] = None, ta
                             f"per-class column form, not by a list")
         # a class of the job without a column here: this site annotates it nowhere
         unannotated_columns = [c for c in class_names if c not in columns]
-        task = task or MULTI_LABEL
+        reason = "given"
+        if task is None:
+            task, reason = _column_task(rows, class_names)
         parsed = [_column_row(manifest_csv, line, row, class_names, task) for line, row in rows]
         label_form = "columns"
     else:
         cells = [row[label_column] for _, row in rows]
+        reason = "given"
         if task is None:
-            task = MULTI_LABEL if any("|" in c or c == "" for c in cells) else SINGLE_LABEL
+            first = next(((line, row[label_column]) for line, row in rows
+                          if "|" in row[label_column] or not row[label_column]), None)
+            task, reason = (SINGLE_LABEL, f"every '{label_column}' cell holds one class") if first is None else (
+                MULTI_LABEL, f"line {first[0]}'s '{label_column}' cell "
+                             f"{'is empty' if not first[1] else 'lists several classes'}")
         multi = task == MULTI_LABEL
         if class_names is None:
             tokens = [t.strip() for c in cells for t in (c.split("|") if multi else [c]) if t.strip()]
@@ -204,7 +276,21 @@ def read_manifest(manifest_csv: str, class_names: Optional[List[str]] = None, ta
     out = [ManifestRow(line, row[id_column], row.get("split") or "train",
                        (row[patient_column] if patient_column and row[patient_column] else row[id_column]), lab, msk)
            for (line, row), (lab, msk) in zip(rows, parsed)]
-    return Manifest(manifest_csv, task, list(class_names), out, id_column, label_form, unannotated_columns)
+    return Manifest(manifest_csv, task, list(class_names), out, id_column, label_form, unannotated_columns, reason)
+
+
+def _column_task(rows: Sequence[Tuple[int, Dict[str, str]]], class_names: List[str]) -> Tuple[str, str]:
+    """The task of a per-class CSV and why: multi-label when a row holds two 1s or annotates every
+    class with all 0 (single-label data refuses that row), else single-label."""
+    for line, row in rows:
+        cells = [row.get(name) for name in class_names]
+        ones = [name for name, cell in zip(class_names, cells) if cell in _ONE]
+        if len(ones) > 1:
+            return MULTI_LABEL, f"line {line} has {len(ones)} classes at 1 {ones}"
+        if not ones and all(cell in _ZERO for cell in cells):
+            return MULTI_LABEL, f"line {line} annotates every class and none is 1 (an image with no finding)"
+    return SINGLE_LABEL, ("no row has more than one class at 1 (pass --task multi-label if one image can hold "
+                          "several classes)")
 
 
 def _column_row(path: str, line: int, row: Dict[str, str], class_names: List[str], task: str):
@@ -281,7 +367,8 @@ def assemble(manifest: Manifest, per_row_images: Sequence[np.ndarray], per_row_i
     splits = {name: Split(np.stack(e["images"]), np.stack(e["labels"]).astype(np.float32), np.stack(e["mask"]),
                           np.array(e["ids"]), np.array(e["groups"]))
               for name, e in parts.items()}
-    info = {"manifest": os.path.abspath(manifest.path), "label_form": manifest.label_form}
+    info = {"manifest": os.path.abspath(manifest.path), "label_form": manifest.label_form,
+            "task_reason": manifest.task_reason}
     if manifest.unannotated_columns:
         info["classes_without_column"] = list(manifest.unannotated_columns)
     return Dataset(manifest.task, list(manifest.class_names), splits, source=source, info=info)
@@ -316,19 +403,23 @@ def image_to_uint8(path: str) -> np.ndarray:
         with Image.open(path) as im:
             im.load()
             mode = im.mode
-            if mode in ("1", "LA", "L"):
-                im = im.convert("L")
-            elif mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
+            if mode in _DEEP_MODES:  # scaled below, once NaN / Inf are ruled out
                 pixels = np.asarray(im, dtype=np.float64)
-                low, high = float(pixels.min()), float(pixels.max())
-                return np.round((pixels - low) / max(high - low, 1e-6) * 255).astype(np.uint8)
-            elif mode == "P":
-                im = im.convert("RGBA").convert("RGB")  # via RGBA: palettes with transparency
-            elif mode != "RGB":
-                im = im.convert("RGB")
-            return np.asarray(im, dtype=np.uint8).copy()
+            else:
+                if mode in ("1", "LA", "L"):
+                    im = im.convert("L")
+                elif mode == "P":
+                    im = im.convert("RGBA").convert("RGB")  # via RGBA: palettes with transparency
+                elif mode != "RGB":
+                    im = im.convert("RGB")
+                return np.asarray(im, dtype=np.uint8).copy()
+    except Image.DecompressionBombError as e:
+        raise DataError(f"image '{path}' is refused by PIL's decompression-bomb guard ({e})") from e
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:  # PIL's kinds of damaged file
         raise DataError(f"image '{path}' is unreadable ({type(e).__name__}: {e})") from e
+    check_finite(pixels, f"image '{path}'", ("row", "column"))
+    low, high = float(pixels.min()), float(pixels.max())
+    return np.round((pixels - low) / max(high - low, 1e-6) * 255).astype(np.uint8)
 
 
 def to_channels(image: np.ndarray, channels: int) -> np.ndarray:

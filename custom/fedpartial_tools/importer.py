@@ -6,7 +6,8 @@ A blank label cell means "not annotated at this site" (``label_mask`` False): si
 part of the classes. No val split is made unless the CSV has ``split`` values ``val`` or
 ``--val-fraction`` is given: the executor runs without one (it then reports no validation
 metrics), and a val split carved from partially annotated data would score unannotated
-entries as negatives.
+entries as negatives. The task (single- or multi-label) is inferred from the CSV unless ``--task``
+gives it; the summary says which and why.
 """
 from __future__ import annotations
 
@@ -66,11 +67,20 @@ def carve_val(data: Dataset, fraction: float, seed: int = 0) -> Dataset:
 
 
 def summary_lines(data: Dataset, out: str) -> List[str]:
-    """The printed summary: images per split, sizes and channels, per-class annotation counts
-    (segmentation: slices, slices with lesions, lesion pixel fraction), and a warning naming the
-    classes this site annotates nowhere."""
+    """The printed summary: the task and why (given or what in the CSV decided it), images per
+    split, sizes and channels, per-class annotation counts (segmentation: slices, slices with
+    lesions, lesion pixel fraction), and a warning naming the classes this site does not annotate
+    at any image.
+
+    Args:
+        data: the imported dataset (``info["task_reason"]`` from the manifest, when there is one).
+        out: the file written.
+    """
     lines = [f"site '{data.site}': {data.task}, {sum(len(s) for s in data.splits.values())} images from "
              f"{data.info.get('kind', '?')} '{data.source}' -> {out}"]
+    reason = data.info.get("task_reason")
+    if reason:
+        lines.append(f"  task  {data.task}, " + ("given with --task" if reason == "given" else f"inferred: {reason}"))
     names = [n for n in SPLIT_ORDER if n in data.splits]
     for name in names:
         split = data.splits[name]
@@ -94,7 +104,8 @@ def summary_lines(data: Dataset, out: str) -> List[str]:
     lines.append("  (images of all splits; not-annotated = blank cells / classes without a column)")
     nowhere = [n for c, n in enumerate(data.class_names) if not mask[:, c].any()]
     if nowhere:
-        lines.append(f"warning: site '{data.site}' annotates class(es) {nowhere} at no image")
+        lines.append(f"warning: site '{data.site}' does not annotate class(es) {nowhere}: no image of any split "
+                     f"has a label (1 or 0) for them, so the site gives them neither positives nor negatives")
     return lines
 
 
@@ -148,7 +159,8 @@ def _cmd_import(args):
         from fedpartial_tools.dicom import load_dicom_folder
 
         data = load_dicom_folder(args.folder, args.labels, class_names=_classes(args.classes), window=args.window,
-                                 size=args.size, task=args.task, annotated_classes=_classes(args.annotated))
+                                 size=args.size, task=args.task, annotated_classes=_classes(args.annotated),
+                                 allow_mixed_modality=args.allow_mixed_modality)
     elif args.kind == "images":
         from fedpartial_tools.images import load_image_folder
 
@@ -201,7 +213,8 @@ def add_import_parser(subparsers) -> None:
             p.add_argument("--classes", default=None, help="comma list: the job's class names in order; a class "
                                                            "without a column is not annotated at this site")
             p.add_argument("--task", choices=["single-label", "multi-label"], default=None,
-                           help="default: from the CSV (see the module docs)")
+                           help="default: inferred from the CSV, and the summary says why (class columns: "
+                                "single-label when no row has more than one 1)")
             p.add_argument("--annotated", default=None,
                            help="label-column CSVs: comma list of the classes this site annotates (default all)")
         p.set_defaults(func=_cmd_import)
@@ -211,6 +224,8 @@ def add_import_parser(subparsers) -> None:
     common(p)
     p.add_argument("--window", default=None, help="brain | lung | soft-tissue | abdomen | bone | CENTRE,WIDTH "
                                                   "(default: each file's own window, else min-max)")
+    p.add_argument("--allow-mixed-modality", action="store_true",
+                   help="import files of different DICOM Modality (e.g. CT and MR) into one site (default: an error)")
 
     p = kinds.add_parser("images", help="a folder of PNG / JPEG images + CSV (ISIC, NIH, Kaggle layouts)")
     common(p)

@@ -1,12 +1,11 @@
-"""NIfTI volumes + lesion masks (MONAI's LoadImage, nibabel backend), sliced into 2D images
-(MS lesion data comes this way).
+"""NIfTI volumes + lesion masks (MONAI's NibabelReader), sliced into 2D images (MS lesion data
+comes this way).
 
 Pairs come from :func:`pair_nifti_files` (two folders or globs, matched by file name) or
 :func:`read_pairs_csv` (``image,mask[,split]`` rows); :func:`load_nifti_pairs` slices them.
 """
 from __future__ import annotations
 
-import csv
 import glob
 import os
 import re
@@ -15,15 +14,28 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from fedpartial.data.types import SEGMENTATION, DataError, Dataset, Split
+from fedpartial_tools.images import check_finite, read_csv_table
+
+# Largest difference of two affines (mm, or direction cosines) still read as one voxel grid: float32
+# storage in the NIfTI header rounds at about 1e-5 mm.
+AFFINE_TOLERANCE = 1e-3
 
 
-def _load_volume(path: str) -> np.ndarray:
-    from monai.transforms import LoadImage
+def _load_volume(path: str) -> Tuple[np.ndarray, np.ndarray]:
+    """(float32 voxels, the 4x4 voxel-to-world affine) of one NIfTI file."""
+    # the reader itself, not LoadImage: LoadImage builds every reader MONAI has, and the DICOM one
+    # warns about nvImageCodec at each call
+    from monai.data import NibabelReader
 
+    reader = NibabelReader()
     try:
-        return np.asarray(LoadImage(image_only=True, reader="NibabelReader")(path))
+        image = reader.read(path)
+        voxels, meta = reader.get_data(image)
+        voxels = np.asarray(voxels, dtype=np.float32)  # the dtype LoadImage gives
     except Exception as e:  # nibabel raises many types for a truncated / non-NIfTI file
         raise DataError(f"NIfTI file '{path}' is unreadable ({type(e).__name__}: {e})") from e
+    check_finite(voxels, f"NIfTI file '{path}'", ("i", "j", "k", "t"))
+    return voxels, np.asarray(meta["original_affine"], dtype=np.float64)
 
 
 def _squeeze(volume: np.ndarray) -> np.ndarray:
@@ -117,18 +129,13 @@ def read_pairs_csv(pairs_csv: str) -> Tuple[List[str], List[str], List[str], Lis
         (image paths, mask paths, splits, patient names).
 
     Raises:
-        DataError: naming the CSV, line and column of a missing file, bad split or repeated image.
+        DataError: naming the CSV, line and column of a missing file, bad split or repeated image,
+            and the CSV for what :func:`fedpartial_tools.images.read_csv_table` refuses.
     """
-    if not os.path.isfile(pairs_csv):
-        raise DataError(f"pairs CSV '{pairs_csv}' not found")
     root = os.path.dirname(os.path.abspath(pairs_csv))
-    with open(pairs_csv, newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
-        columns = [c.strip() for c in reader.fieldnames or []]
-        rows = [(reader.line_num, {(k or "").strip(): (v or "").strip() for k, v in row.items()}) for row in reader]
+    columns, rows = read_csv_table(pairs_csv, "pairs CSV")
     if not {"image", "mask"} <= set(columns):
         raise DataError(f"pairs CSV '{pairs_csv}' needs columns 'image' and 'mask' (has {columns})")
-    rows = [(line, row) for line, row in rows if any(row.values())]
     if not rows:
         raise DataError(f"pairs CSV '{pairs_csv}' lists no volumes")
     images, masks, splits, names, seen = [], [], [], [], {}
@@ -168,8 +175,8 @@ def load_nifti_pairs(image_paths: Sequence[str], mask_paths: Sequence[str], axis
             default the volume's index.
 
     Raises:
-        DataError: naming both files when an image and its mask differ in shape, or the file
-            that is unreadable.
+        DataError: naming both files when an image and its mask differ in shape or affine, or
+            the file that is unreadable or holds NaN / Inf voxels.
     """
     image_paths, mask_paths = [str(p) for p in image_paths], [str(p) for p in mask_paths]
     if len(image_paths) != len(mask_paths):
@@ -187,9 +194,15 @@ def load_nifti_pairs(image_paths: Sequence[str], mask_paths: Sequence[str], axis
         size = (int(size), int(size))
     parts: Dict[str, Dict[str, list]] = {}
     for patient, (img_path, mask_path, split) in enumerate(zip(image_paths, mask_paths, splits)):
-        image, mask = _squeeze(_load_volume(img_path)), _squeeze(_load_volume(mask_path))
+        (image, image_affine), (mask, mask_affine) = _load_volume(img_path), _load_volume(mask_path)
+        image, mask = _squeeze(image), _squeeze(mask)
         if image.shape != mask.shape:
             raise DataError(f"image '{img_path}' has shape {image.shape} but mask '{mask_path}' has {mask.shape}")
+        gap = float(np.abs(image_affine - mask_affine).max())
+        if gap > AFFINE_TOLERANCE:
+            raise DataError(f"image '{img_path}' and mask '{mask_path}' have different affines (voxel-to-world; "
+                            f"entries differ by up to {gap:.4g}): image {np.round(image_affine, 4).tolist()}, mask "
+                            f"{np.round(mask_affine, 4).tolist()}; the mask does not lie on its image's voxel grid")
         if image.ndim != 3 or not -3 <= axis < 3:
             raise DataError(f"image '{img_path}' has shape {image.shape}; expected a 3D volume sliced along axis "
                             f"0, 1 or 2 (got axis={axis})")
