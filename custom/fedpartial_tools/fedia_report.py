@@ -1,0 +1,130 @@
+"""What segmentation bench runs did round by round: how many rounds each run's global model
+predicted no lesion on any site's val images, FedIA's completeness estimates against the share of
+lesions the split kept (counted), and the per-round aggregation weights, from the runs'
+metrics.json (``server`` entries) and the splits' split_summary.json.
+
+    python -m fedpartial_tools.fedia_report --out runs/bench_ms7 [--weights-of ms-p7-m2/seed0/fedia_lesions]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from typing import Dict, List, Optional
+
+FEDIA_JOBS = ("fedia_lesions", "fedia_lesions_paper", "fedia")
+
+
+def _rounds(ws: str) -> List[dict]:
+    path = os.path.join(ws, "metrics.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return json.load(f).get("rounds", [])
+
+
+def completeness_rows(out_dir: str, jobs=FEDIA_JOBS) -> List[dict]:
+    """One row per suite, seed, FedIA job and site: the estimate the sites sent (the first round
+    at which every site was ready, as the server used it) and the counted truth.
+
+    Args:
+        out_dir: a bench output folder (``<suite>/seed<k>/<job>/metrics.json``).
+        jobs: the FedIA job names to read.
+    """
+    rows = []
+    for summary_path in sorted(glob.glob(os.path.join(out_dir, "*", "seed*", "sites", "split_summary.json"))):
+        seed_dir = os.path.dirname(os.path.dirname(summary_path))
+        suite, seed = os.path.basename(os.path.dirname(seed_dir)), os.path.basename(seed_dir)
+        with open(summary_path) as f:
+            per_site = json.load(f)["per_site"]
+        for job in jobs:
+            rounds = _rounds(os.path.join(seed_dir, job))
+            if not rounds:
+                continue
+            ready = [r for r in rounds if r.get("server", {}).get("completeness_ready")
+                     and all(r["server"]["completeness_ready"].values())]
+            first = ready[0] if ready else None
+            for site, info in sorted(per_site.items()):
+                true = info["lesions_kept"] / info["lesions_total"] if info.get("lesions_total") else None
+                rows.append({"suite": suite, "seed": seed, "job": job, "site": site, "true": true,
+                             "estimate": first["server"]["completeness"].get(site) if first else None,
+                             "round": first["round"] if first else None})
+    return rows
+
+
+def blank_rounds(ws: str) -> Optional[int]:
+    """Rounds whose received global model predicted no lesion on any site's val images (None
+    without pooled validation, e.g. classification)."""
+    from fedpartial.metrics.segmentation import pooled_validation
+
+    pooled = [pooled_validation({k: s.get("val") for k, s in r.get("sites", {}).items()}) for r in _rounds(ws)]
+    if not pooled or any(p is None for p in pooled):
+        return None
+    return sum(1 for p in pooled if p["n_images"] and p["predicted_lesion_share"] == 0)
+
+
+def blank_rounds_table(out_dir: str) -> str:
+    """Markdown: per suite and job, the rounds without any predicted lesion of each seed's run."""
+    runs: Dict[tuple, Dict[str, int]] = {}
+    for path in sorted(glob.glob(os.path.join(out_dir, "*", "seed*", "*", "metrics.json"))):
+        ws = os.path.dirname(path)
+        seed_dir = os.path.dirname(ws)
+        key = (os.path.basename(os.path.dirname(seed_dir)), os.path.basename(ws))
+        count = blank_rounds(ws)
+        if count is not None:
+            runs.setdefault(key, {})[os.path.basename(seed_dir)] = f"{count}/{len(_rounds(ws))}"
+    lines = ["| suite | job | rounds without a predicted lesion, per seed |", "|---|---|---|"]
+    for (suite, job), seeds in sorted(runs.items()):
+        lines.append(f"| {suite} | {job} | " + ", ".join(f"{s}: {v}" for s, v in sorted(seeds.items())) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def weights_table(ws: str) -> str:
+    """Markdown: the rule and each site's weight per round of one run."""
+    rounds = _rounds(ws)
+    if not rounds:
+        return f"(no metrics.json in {ws})\n"
+    sites = sorted(rounds[0].get("server", {}).get("weights", {}))
+    lines = ["| round | rule | " + " | ".join(sites) + " |", "|---|---|" + "---|" * len(sites)]
+    for r in rounds:
+        server = r.get("server", {})
+        weights = server.get("weights", {})
+        lines.append(f"| {r['round']} | {server.get('rule', '-')} | "
+                     + " | ".join(f"{weights[s]:.3f}" if s in weights else "-" for s in sites) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def completeness_table(rows: List[dict]) -> str:
+    """Markdown: estimated vs counted completeness per site, one line per suite / seed / job."""
+    def cell(value: Optional[float]) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    groups: Dict[tuple, List[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["suite"], row["seed"], row["job"]), []).append(row)
+    sites = sorted({r["site"] for r in rows})
+    lines = ["| suite | seed | job | estimated at round | " + " | ".join(f"{s} est. / true" for s in sites) + " |",
+             "|---|---|---|---|" + "---|" * len(sites)]
+    for (suite, seed, job), group in groups.items():
+        by_site = {r["site"]: r for r in group}
+        lines.append(f"| {suite} | {seed} | {job} | {cell(group[0]['round']) if group[0]['round'] is None else group[0]['round']} | "
+                     + " | ".join(f"{cell(by_site[s]['estimate'])} / {cell(by_site[s]['true'])}" if s in by_site else "-"
+                                  for s in sites) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fedpartial_tools.fedia_report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="bench output folder")
+    parser.add_argument("--weights-of", default=None, metavar="SUITE/SEED/JOB",
+                        help="also print the per-round weights of this run (relative to --out)")
+    args = parser.parse_args(argv)
+    print(blank_rounds_table(args.out))
+    print(completeness_table(completeness_rows(args.out)))
+    if args.weights_of:
+        print(weights_table(os.path.join(args.out, args.weights_of)))
+
+
+if __name__ == "__main__":
+    main()
