@@ -80,6 +80,47 @@ def blank_rounds_table(out_dir: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def val_scores(ws: str) -> Dict[str, Optional[float]]:
+    """Pooled val Dice of the run's last aggregate and best model on the sites' val splits (slices
+    of the training patients that no site trained on, complete masks), from cross_site_val.json."""
+    from fedpartial_tools.jobtools import server_model_validation
+
+    path = os.path.join(ws, "cross_site_val.json")
+    if not os.path.isfile(path):
+        return {"val_last": None, "val_best": None}
+    with open(path) as f:
+        scores = server_model_validation(json.load(f))
+    return {"val_last": scores.get("global_model.pt", {}).get("dice_pooled"),
+            "val_best": scores.get("best_global_model.pt", {}).get("dice_pooled")}
+
+
+def seed_table(out_dir: str) -> str:
+    """Markdown: per suite, seed and job, the held-out test Dice (pooled, per image) of the last
+    aggregate and of best_global_model.pt, and the pooled val Dice of both (results.csv + runs)."""
+    import csv
+
+    path = os.path.join(out_dir, "results.csv")
+    if not os.path.isfile(path):
+        return f"(no results.csv in {out_dir})\n"
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+
+    def cell(value) -> str:
+        try:
+            return f"{float(value):.3f}"
+        except (TypeError, ValueError):
+            return "-"
+
+    lines = ["| suite | seed | job | test pooled (last / best) | test per image (last / best) | val pooled (last / best) |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        val = val_scores(os.path.join(out_dir, row["suite"], f"seed{row['seed']}", row["method"]))
+        lines.append(f"| {row['suite']} | {row['seed']} | {row['method']} | {cell(row.get('dice_pooled'))} / "
+                     f"{cell(row.get('dice_pooled_best'))} | {cell(row.get('dice_per_image'))} / "
+                     f"{cell(row.get('dice_per_image_best'))} | {cell(val['val_last'])} / {cell(val['val_best'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def weights_table(ws: str) -> str:
     """Markdown: the rule and each site's weight per round of one run."""
     rounds = _rounds(ws)
@@ -120,6 +161,7 @@ def main(argv=None) -> None:
     parser.add_argument("--weights-of", default=None, metavar="SUITE/SEED/JOB",
                         help="also print the per-round weights of this run (relative to --out)")
     args = parser.parse_args(argv)
+    print(seed_table(args.out))
     print(blank_rounds_table(args.out))
     print(completeness_table(completeness_rows(args.out)))
     if args.weights_of:

@@ -372,10 +372,11 @@ def collect_results(sim_ws: str, workspace: str, rc: int, seconds: float, log=pr
 SERVER_MODEL_FILES = {"best_global_model": "best_global_model.pt", "global_model": "global_model.pt"}
 
 
-def result_model_lines(cross_site: dict) -> List[str]:
-    """What the server's models scored on the sites' val splits in cross-site evaluation: for
-    segmentation the Dice pooled over every site's val pixels (what ``evaluate`` of the model on
-    the site folder with ``--split val`` prints), else the mean of the sites' first metric.
+def server_model_validation(cross_site: dict) -> Dict[str, dict]:
+    """What the server's models scored on the sites' val splits in cross-site evaluation:
+    ``{file name: pooled}`` for segmentation (:func:`fedpartial.metrics.pooled_validation`: Dice
+    over every site's val pixels, what ``evaluate --split val`` of the model on the site folder
+    prints), ``{file name: {metric: mean over sites}}`` otherwise.
 
     Args:
         cross_site: ``cross_site_val.json``: ``{site: {model name: metrics}}``.
@@ -387,21 +388,35 @@ def result_model_lines(cross_site: dict) -> List[str]:
                 and (name == "best_global_model" or not k.endswith("best_global_model"))]
         return hits[0] if hits else None
 
-    lines = []
+    out = {}
     for name, file in SERVER_MODEL_FILES.items():
         per_site = {site: model_of(models, name) for site, models in cross_site.items() if isinstance(models, dict)}
         per_site = {site: m for site, m in per_site.items() if isinstance(m, dict) and m}
         if not per_site:
             continue
         pooled = pooled_validation(per_site)
-        if pooled is not None:
-            lines.append(f"{file}: val pooled dice {pooled['dice_pooled']:.3f}, lesion predicted in "
-                         f"{100 * pooled['predicted_lesion_share']:.0f} % of {pooled['n_images']} val images")
-        else:
-            key = next(iter(next(iter(per_site.values()))))
-            values = [float(m[key]) for m in per_site.values() if isinstance(m.get(key), (int, float))]
-            if values:
-                lines.append(f"{file}: val {key} {sum(values) / len(values):.3f} (mean of {len(values)} sites)")
+        if pooled is None:
+            keys = [k for k, v in next(iter(per_site.values())).items() if isinstance(v, (int, float))]
+            pooled = {k: sum(float(m[k]) for m in per_site.values() if isinstance(m.get(k), (int, float)))
+                      / len(per_site) for k in keys}
+        out[file] = pooled
+    return out
+
+
+def result_model_lines(cross_site: dict) -> List[str]:
+    """One line per server model: its validation scores (:func:`server_model_validation`).
+
+    Args:
+        cross_site: ``cross_site_val.json``: ``{site: {model name: metrics}}``.
+    """
+    lines = []
+    for file, scores in server_model_validation(cross_site).items():
+        if "dice_pooled" in scores and "predicted_lesion_share" in scores:
+            lines.append(f"{file}: val pooled dice {scores['dice_pooled']:.3f}, lesion predicted in "
+                         f"{100 * scores['predicted_lesion_share']:.0f} % of {scores['n_images']} val images")
+        elif scores:
+            key = next(iter(scores))
+            lines.append(f"{file}: val {key} {scores[key]:.3f} (mean over sites)")
     return lines
 
 
