@@ -58,13 +58,14 @@ ARGS=(--data-root "$STATE/data/sites" --set "num_rounds=$ROUNDS")
 for s in "${DATA_SETS[@]}"; do ARGS+=(--set "$s"); done
 "$DIR/run_job.sh" "$STATE" "$JOB_DIR" "${ARGS[@]}" "${SETS[@]}" | tee "$STATE/run_job.out"
 RESULT="$(sed -n 's/^job .*: .*; result in //p' "$STATE/run_job.out" | tail -n 1)"
-MODEL="$("$PYTHON" -m fedpartial_tools.deploy results "$RESULT" | "$PYTHON" -c 'import json,sys; print(json.load(sys.stdin)["global_model"] or "")')"
+# the job's result: best_global_model.pt for segmentation, global_model.pt for classification
+MODEL="$("$PYTHON" -m fedpartial_tools.deploy results "$RESULT" | "$PYTHON" -c 'import json,sys; print(json.load(sys.stdin)["result_model"] or "")')"
 [[ -n "$MODEL" ]] || poc_die "no global_model.pt in $RESULT"
 
-step "5/6 metrics of the final global model on the test split of $SOURCE"
+step "5/6 metrics of the job's result model on the test split of $SOURCE"
 "$PYTHON" -m fedpartial evaluate --model "$MODEL" --data "$SOURCE" --split test --json \
   | tee "$STATE/final_metrics.json"
 echo
-echo "global model: $MODEL"
+echo "result model: $MODEL"
 echo "per-round server metrics: $(dirname "$MODEL")/metrics.json"
 echo "TensorBoard (every site's curves): tensorboard --logdir $NVFLARE_POC_WORKSPACE"

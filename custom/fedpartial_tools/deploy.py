@@ -300,9 +300,33 @@ def find_results(result_dir: str) -> Dict[str, Optional[str]]:
     tb = sorted({os.path.dirname(p) for p in glob.glob(os.path.join(result_dir, "**", "events.out.tfevents.*"),
                                                           recursive=True)})
     streamed = sorted(glob.glob(os.path.join(result_dir, "**", "tb_events"), recursive=True), key=len)
-    return {"global_model": first("global_model.pt"), "best_global_model": first("best_global_model.pt"),
-            "metrics": first("metrics.json"), "cross_site_val": first("cross_val_results.json"),
-            "tensorboard": streamed[0] if streamed else (tb[0] if tb else None), "server_log": first("log.txt")}
+    out = {"global_model": first("global_model.pt"), "best_global_model": first("best_global_model.pt"),
+           "metrics": first("metrics.json"), "cross_site_val": first("cross_val_results.json"),
+           "tensorboard": streamed[0] if streamed else (tb[0] if tb else None), "server_log": first("log.txt")}
+    out["result_model"] = result_model(out["global_model"], out["best_global_model"])
+    return out
+
+
+def result_model(global_model: Optional[str], best_global_model: Optional[str]) -> Optional[str]:
+    """The model that is a job's result: for segmentation ``best_global_model.pt`` (the global
+    model with the best Dice pooled over every site's val pixels, the score the progress lines
+    showed; a sparse-lesion run can fall back to predicting nothing in its last rounds), for
+    classification ``global_model.pt`` (the last aggregate, what the README's tables score).
+
+    Args:
+        global_model: path of ``global_model.pt`` (or None).
+        best_global_model: path of ``best_global_model.pt`` (or None).
+    """
+    from fedpartial.data.types import SEGMENTATION
+    from fedpartial.models.io import read_model_file
+
+    if best_global_model and global_model:
+        try:
+            task = read_model_file(global_model)["meta"].get("task")
+        except Exception:  # an unreadable file: fall back to the last aggregate, which evaluate will check
+            return global_model
+        return best_global_model if task == SEGMENTATION else global_model
+    return global_model
 
 
 def set_resource_spec(job_dir: str, sites: Sequence[str], gpus: int, gpu_mem_gib: float = 0) -> dict:
@@ -494,7 +518,8 @@ def _cmd_run_job(args):
         print(json.dumps(result, indent=1))
     else:
         say(f"job {result['job_id']}: {result['status']}; result in {result['result_dir']}")
-        for key in ("global_model", "best_global_model", "metrics", "cross_site_val", "tensorboard", "server_log"):
+        for key in ("result_model", "global_model", "best_global_model", "metrics", "cross_site_val", "tensorboard",
+                    "server_log"):
             say(f"  {key + ':':18s} {result.get(key) or '-'}")
     if not str(result["status"]).endswith("COMPLETED") or not result["global_model"]:
         print(f"error: job {result['job_id']} ended {result['status']}; server log: {result['server_log']}",
