@@ -203,8 +203,12 @@ def _updates():
 def test_unlabelled_weight_scales_the_unlabelled_sites_in_the_weight_average():
     # labelled 10 x 1 and 10 x 3, unlabelled 20 x 6 counted as 20 * 0.25 = 5:
     # (10 + 30 + 5 * 6) / 25 = 70 / 25 = 2.8 (paper, weight 1: 160 / 40 = 4)
-    weights, stats = FedIRMServer(unlabelled_weight=0.25).aggregate(_updates(), _server_ctx())
+    ctx = _server_ctx()
+    weights, stats = FedIRMServer(unlabelled_weight=0.25).aggregate(_updates(), ctx)
     assert np.allclose(weights["w"], [2.8, 2.8])
+    # metrics.json gets the weights used: 10 / 25, 10 / 25, 5 / 25
+    assert ctx.report["weights"] == pytest.approx({"site-1": 0.4, "site-2": 0.4, "site-3": 0.2})
+    assert ctx.report["relation_counts"] == {"site-1": [2.0, 1.0, 0.0], "site-2": [6.0, 0.0, 3.0]}
     assert np.allclose(stats[RELATION_COUNTS], [8.0, 1.0, 3.0])  # the matrices are untouched
     # weight 0 = FedAvg of the labelled sites alone: (10 + 30) / 20 = 2
     assert np.allclose(FedIRMServer(unlabelled_weight=0.0).aggregate(_updates(), _server_ctx())[0]["w"], [2.0, 2.0])

@@ -731,8 +731,14 @@ class FedIRMServer(ServerRule):
                                  "not 1 (single-label rows are softmax distributions)")
 
     def aggregate(self, updates: List[SiteUpdate], ctx: ServerContext) -> Tuple[Dict[str, np.ndarray], dict]:
-        weights = fedavg_weights(weighted_by_label_status(updates, self.unlabelled_weight))
+        weighted = weighted_by_label_status(updates, self.unlabelled_weight)
+        weights = fedavg_weights(weighted)  # raises, naming the sites, when none has samples
+        total = float(sum(u.num_samples for u in weighted if u.num_samples > 0))
+        ctx.report["weights"] = {u.site: u.num_samples / total for u in weighted if u.num_samples > 0}
         labelled = [u for u in updates if (u.stats or {}).get(RELATION_MATRIX) is not None]
+        if labelled:
+            ctx.report["relation_counts"] = {u.site: np.asarray(u.stats.get(RELATION_COUNTS, [])).tolist()
+                                             for u in labelled}
         previous = dict(ctx.global_stats or {})
         if not labelled:  # no labelled site this round: keep last round's matrix, if any
             kept = {k: previous[k] for k in (RELATION_MATRIX, RELATION_COUNTS, RELATION_VALID, RELATION_MULTILABEL)
