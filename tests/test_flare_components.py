@@ -61,6 +61,26 @@ def test_aggregator_weighted_average_and_metrics_file(aggregator, tmp_path):
     assert history[0]["sites"]["site-2"]["num_samples"] == 3
 
 
+def test_aggregator_logs_weights_and_warns_when_the_received_model_predicts_no_lesion(aggregator, tmp_path):
+    ctx = _ctx(tmp_path, round_num=4, global_weights={"w": np.zeros(2, np.float32)})
+    blank = {"tp": 0, "fp": 0, "fn": 7, "n_images": 4, "predicted_lesion_share": 0.0}
+    for site, n in (("site-1", 1), ("site-2", 3)):
+        update = _update(site, [1, 1], n, round_num=4)
+        dxo = from_shareable(update)
+        dxo.set_meta_prop(MetaKey.INITIAL_METRICS, blank)
+        update = dxo.to_shareable()
+        update.set_peer_props({ReservedKey.IDENTITY_NAME: site})
+        update.add_cookie(AppConstants.CONTRIBUTION_ROUND, 4)
+        assert aggregator.accept(update, ctx)
+    with mock.patch.object(aggregator, "log_warning") as warn:
+        aggregator.aggregate(ctx)
+    assert "round 4: the global model the sites received predicts no lesion" in warn.call_args[0][1]
+    server = json.load(open(tmp_path / "metrics.json"))["rounds"][0]["server"]
+    assert server["weights"] == {"site-1": 0.25, "site-2": 0.75}
+    assert server["val_received_model"] == {"dice_pooled": 0.0, "predicted_lesion_share": 0.0, "n_images": 8,
+                                            "sites": 2}
+
+
 @pytest.mark.parametrize("bad, why", [
     ([np.nan, 1.0], "NaN"),
     ([1.0, 2.0, 3.0], "shape"),
