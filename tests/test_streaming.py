@@ -1,5 +1,6 @@
 """Site folders (memory-mapped .npy per array), the chunked writer, the cached resize, folder
-resolution, lazy batches in the FedAvg client, predict_uint8 and the streaming benchmark."""
+resolution, the lazy image source and every client's batches through it, predict_uint8 and the
+streaming benchmark."""
 import os
 import time
 
@@ -288,3 +289,133 @@ def test_streaming_benchmark_tiny(tmp_path, capsys):
     assert "| streaming (site folder, memmap) | 0 |" in report and "| in-memory (arrays read whole) | 0 |" in report
     assert "ratio streaming / in-memory" in report
     assert (tmp_path / "site-1" / "meta.json").is_file()
+
+
+def test_image_source_batches_equal_the_whole_float_split(tmp_path):
+    from fedpartial.training.common import ImageSource, images_to_tensor
+
+    rgb = np.random.default_rng(1).integers(0, 256, (9, 5, 6, 3), dtype=np.uint8)
+    np.save(tmp_path / "x.npy", rgb)
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    rows = np.array([8, 1, 4, 6, 0])
+    norm = {"mean": 0.4, "std": 0.3}
+    whole = images_to_tensor(rgb, 0.4, 0.3)
+    for images in (rgb, mapped):
+        source = ImageSource(images, norm)
+        assert len(source) == 9 and source.shape == tuple(whole.shape) == (9, 3, 5, 6)
+        assert torch.equal(source.batch(np.array([7, 2, 2, 0])), whole[[7, 2, 2, 0]])  # order kept, repeats too
+        assert torch.equal(source[torch.tensor([3, 1])], whole[[3, 1]])
+        assert torch.equal(source[2:7], whole[2:7])
+        subset = ImageSource(images, norm, rows)
+        assert len(subset) == 5 and subset.shape == (5, 3, 5, 6)
+        assert torch.equal(subset.batch(np.array([4, 0, 2])), whole[rows[[4, 0, 2]]])
+        assert torch.equal(subset[1:4], whole[rows[1:4]])
+    grey = ImageSource(rgb[..., 0])
+    assert grey.shape == (9, 1, 5, 6) and torch.equal(grey[0:9], images_to_tensor(rgb[..., 0]))
+
+
+def _method_site(method):
+    """A small partially annotated site for ``method`` (segmentation: binary masks)."""
+    if method in ("segmentation", "fedia", "fedia_pixels"):
+        return _seg_site(size=16)
+    data = _site(n_train=30, task="single-label" if method in ("fedlsm", "fedirm") else "multi-label")
+    if method == "fedirm_unlabelled":
+        data.splits["train"].label_mask[:] = False
+        data.splits["train"].labels[:] = 0
+    return data
+
+
+def _method_rounds(method, data, state_dir, rounds=2):
+    """``rounds`` rounds of ``method``'s client on ``data``; the weights after each round, the
+    results and the client. The round inputs exercise every whole-site pass: FedMLP's tagging and
+    prototypes, FedIRM's relation loss, FedIA's completeness estimate and correction."""
+    from fedpartial.algorithms.base import ClientContext, RoundInput
+    from fedpartial.algorithms.fedavg import SupervisedClient
+    from fedpartial.algorithms.fedia import FedIAClient
+    from fedpartial.algorithms.fedirm import FedIRMClient
+    from fedpartial.algorithms.fedlsm import FedLSMClient
+    from fedpartial.algorithms.fedmlp import FedMLPClient
+    from fedpartial.algorithms.segmentation import SegmentationSupervisedClient
+    from fedpartial.models import build_model
+    from fedpartial.training.common import state_dict_numpy
+
+    rules = {
+        "fedavg": lambda: SupervisedClient(loss_mode="partial", lr=1e-2, batch_size=8),
+        "fedlsm": lambda: FedLSMClient(lr=1e-2, batch_size=8, ude_pairs=2, local_epochs=1, confident_fraction=0.3,
+                                       uncertain_fraction=0.2, eval_batch_size=7),
+        "fedmlp": lambda: FedMLPClient(lr=1e-2, batch_size=8, warmup_rounds=1, prediction_batch_size=7),
+        "fedirm": lambda: FedIRMClient(lr=1e-2, batch_size=8),
+        "fedirm_unlabelled": lambda: FedIRMClient(lr=1e-2, batch_size=8),
+        "segmentation": lambda: SegmentationSupervisedClient(lr=1e-2, batch_size=4, predict_batch_size=4),
+        "fedia": lambda: FedIAClient(lr=1e-2, batch_size=4, warmup_rounds=2, predict_batch_size=4,
+                                     min_predicted_ratio=0.0),
+        "fedia_pixels": lambda: FedIAClient(lr=1e-2, batch_size=4, warmup_rounds=2, predict_batch_size=4,
+                                            min_predicted_ratio=0.0, correction_rule="pixels",
+                                            correction_threshold=0.3),
+    }
+    torch.manual_seed(0)
+    if method in ("segmentation", "fedia", "fedia_pixels"):
+        model = build_model("unet", 1, 1, channels=[4, 8], strides=[2])
+    else:
+        model = build_model("small_cnn", 3, 1, width=4, depth=2, dropout=0.3 if method == "fedirm_unlabelled" else 0.0)
+    rule = rules[method]()
+    os.makedirs(state_dir, exist_ok=True)
+    rule.setup(ClientContext(site="site-1", data=data, device=torch.device("cpu"), state_dir=state_dir, seed=3))
+    weights, results, stats = [], [], {}
+    for r in range(rounds):
+        if method == "fedirm_unlabelled":
+            stats = {"relation_matrix": np.full((3, 3), 1 / 3), "relation_valid": np.ones(3)}
+        elif method == "fedmlp" and r > 0:
+            stats = {"prototypes_neg": results[-1].stats["prototypes_neg"],
+                     "prototypes_pos": results[-1].stats["prototypes_pos"], "prototype_valid": np.ones(3),
+                     "tau0": np.full(3, 0.5), "tau1": np.full(3, 0.5)}
+        elif method.startswith("fedia") and r == rounds - 1:
+            rule.state["correction_pending"] = True  # the pass that corrects, whatever the IoU trend says
+        results.append(rule.train_round(model, RoundInput(r, rounds, stats)))
+        weights.append(state_dict_numpy(model))
+    return weights, results, rule
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedlsm", "fedmlp", "fedirm", "fedirm_unlabelled", "segmentation",
+                                    "fedia", "fedia_pixels"])
+def test_every_client_same_rounds_from_npz_and_folder(method, tmp_path):
+    """Each client reads its images batch by batch (no whole float split) and trains to the
+    same bits from an in-memory .npz as from a memory-mapped site folder: the batches hold the
+    same values in the same order, so every float operation is the same and the weights are
+    compared exactly, not within a tolerance."""
+    from fedpartial.training.common import ImageSource
+
+    data = _method_site(method)
+    write_site_file(str(tmp_path / "site-1.npz"), data)
+    write_site_file(str(tmp_path / "site-1"), data)
+    from_npz, from_folder = load_site_file(str(tmp_path / "site-1.npz")), load_site_file(str(tmp_path / "site-1"))
+    assert isinstance(from_folder.splits["train"].images, np.memmap)
+    rounds = 4 if method.startswith("fedia") else 2
+    w_npz, r_npz, rule_npz = _method_rounds(method, from_npz, str(tmp_path / "state-npz"), rounds)
+    w_folder, r_folder, rule_folder = _method_rounds(method, from_folder, str(tmp_path / "state-folder"), rounds)
+    assert isinstance(rule_npz.images, ImageSource) and isinstance(rule_folder.images, ImageSource)
+    assert rule_folder.images.images is from_folder.splits["train"].images  # still the memory map
+    for r in range(rounds):
+        assert r_npz[r].num_samples == r_folder[r].num_samples > 0
+        assert r_npz[r].metrics == r_folder[r].metrics, r
+        assert sorted(r_npz[r].stats) == sorted(r_folder[r].stats)
+        for k in r_npz[r].stats:
+            np.testing.assert_array_equal(r_npz[r].stats[k], r_folder[r].stats[k], err_msg=f"round {r} {k}")
+        for k in w_npz[r]:
+            np.testing.assert_array_equal(w_npz[r][k], w_folder[r][k], err_msg=f"round {r} {k}")
+    if method == "fedmlp":
+        assert (rule_npz.tags >= 0).any()  # tagging ran
+        np.testing.assert_array_equal(rule_npz.tags, rule_folder.tags)
+    if method.startswith("fedia"):
+        assert rule_npz.state["completeness"] is not None and rule_npz.state["corrected"]
+        np.testing.assert_array_equal(rule_npz.masks, rule_folder.masks)
+
+
+def test_streaming_benchmark_method_clients_tiny(tmp_path):
+    from fedpartial_tools.streaming import main
+
+    report = main(["--images", "32", "--size", "16", "--out", str(tmp_path), "--steps", "1", "--batch-size", "8",
+                   "--clients", "fedlsm,fedia", "--modes", "streaming", "--timeout", "300"])
+    assert "| streaming (site folder, memmap) | 0 | fedlsm |" in report
+    assert "| streaming (site folder, memmap) | 0 | fedia |" in report
+    assert (tmp_path / "segmentation" / "site-1" / "meta.json").is_file()

@@ -23,8 +23,8 @@ import torch
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import SINGLE_LABEL
-from fedpartial.training.common import (batch_indices, images_to_tensor, masked_bce_with_logits, masked_cross_entropy,
-                                        prefetch, round_seed, seed_everything, take_rows)
+from fedpartial.training.common import (ImageSource, batch_indices, masked_bce_with_logits, masked_cross_entropy,
+                                        prefetch, round_seed, seed_everything)
 
 LOSS_MODES = ("missing-negative", "partial", "full")
 
@@ -113,9 +113,10 @@ class SupervisedClient(ClientRule):
     """Local supervised training for the FedAvg baselines.
 
     The train split stays as it was loaded (uint8, in memory or memory-mapped from a site
-    folder); each batch is read (rows in ascending order, put back in batch order) and converted
-    to floats on its own, so the whole split never exists as a float tensor. Batches and the
-    order of samples within them are those of the former whole-split tensor: same seed, same weights.
+    folder); each batch is read and converted to floats on its own
+    (:class:`fedpartial.training.common.ImageSource`), so the whole split never exists as a float
+    tensor. Batches and the order of samples within them are those of a whole-split float
+    tensor: same seed, same weights.
 
     Args:
         loss_mode: ``missing-negative`` | ``partial`` | ``full``.
@@ -151,8 +152,7 @@ class SupervisedClient(ClientRule):
         train = ctx.data.splits["train"]
         self.task = ctx.data.task
         self.rows = labelled_rows(train.labels, train.label_mask, self.task)
-        self.norm = dict(ctx.normalisation)
-        self.images = train.images  # uint8, possibly memory-mapped: batches are converted one at a time
+        self.images = ImageSource(train.images, ctx.normalisation, self.rows)
         self.labels = torch.as_tensor(train.labels[self.rows], dtype=torch.float32)
         self.label_mask = torch.as_tensor(train.label_mask[self.rows], dtype=torch.float32)
         if len(self.rows) == 0:
@@ -160,7 +160,7 @@ class SupervisedClient(ClientRule):
 
     def batch_images(self, idx: np.ndarray) -> torch.Tensor:
         """Normalised float images of the labelled samples ``idx`` (positions in ``self.rows``), in that order."""
-        return images_to_tensor(take_rows(self.images, self.rows[idx]), self.norm["mean"], self.norm["std"])
+        return self.images.batch(idx)
 
     def _augment(self, x: torch.Tensor) -> torch.Tensor:
         if self.augmentation == "weak":

@@ -118,9 +118,18 @@ def estimate_completeness(annotated: np.ndarray, predicted: np.ndarray, connecti
         raise ValueError(f"annotated shape {np.shape(annotated)} != predicted shape {np.shape(predicted)}")
     n_annotated = int(count_lesions(annotated, connectivity).sum())
     n_predicted = int(count_lesions(predicted, connectivity).sum())
-    if n_predicted == 0:
-        return None, n_annotated, n_predicted
-    return n_annotated / n_predicted, n_annotated, n_predicted
+    return completeness_ratio(n_annotated, n_predicted), n_annotated, n_predicted
+
+
+def completeness_ratio(n_annotated: int, n_predicted: int) -> Optional[float]:
+    """FedIA eq. 3 from lesion counts: ``n_annotated / n_predicted``; None when the model predicts
+    no lesion at all (no evidence either way).
+
+    Args:
+        n_annotated: lesions in the site's masks.
+        n_predicted: lesions in the model's binary predictions of the same images.
+    """
+    return None if n_predicted == 0 else n_annotated / n_predicted
 
 
 def fit_iou_trend(rounds, ious) -> Tuple[float, float]:
@@ -415,11 +424,37 @@ class FedIAClient(SegmentationSupervisedClient):
         _atomic_write(self.state_path, lambda h: h.write(text))
 
     # -- FedIA steps ------------------------------------------------------------------------
-    def estimate(self, fg_prob: np.ndarray, round_index: Optional[int] = None) -> None:
-        """Completeness (eq. 3) from the warm-up model's prediction, and the IoU trend (eq. 6) over
-        the rounds before ``round_index`` (default: the warm-up rounds)."""
-        predicted = fg_prob > self.prob_threshold
-        a_k, n_annotated, n_predicted = estimate_completeness(self.original_masks, predicted, self.connectivity)
+    def scan(self, model, count: bool, correct: bool) -> Tuple[int, Optional[np.ndarray], int]:
+        """One batch-by-batch pass of ``model`` over the train images for the FedIA steps that need
+        its prediction, so the probabilities of the whole split never exist at once.
+
+        Args:
+            model: the received global model.
+            count: count the lesions it predicts (probability > ``prob_threshold``; eq. 3).
+            correct: apply the correction rule to the current masks (see :meth:`correct`).
+
+        Returns:
+            ``(predicted_lesions, corrected_masks or None, pixels_changed)``.
+        """
+        n_predicted, changed = 0, 0
+        new = np.empty_like(self.masks) if correct else None
+        for rows, probs in self.predict_batches(model):
+            if count:
+                n_predicted += int(count_lesions(probs > self.prob_threshold, self.connectivity).sum())
+            if correct:  # both rules act image by image, so batches give the whole split's result
+                if self.correction_rule == "lesions":
+                    new[rows], c = correct_masks_lesionwise(self.masks[rows], probs, self.correction_threshold,
+                                                            self.prob_threshold, self.connectivity)
+                else:
+                    new[rows], c = correct_masks(self.masks[rows], probs, self.correction_threshold)
+                changed += c
+        return n_predicted, new, changed
+
+    def estimate(self, n_predicted: int, round_index: Optional[int] = None) -> None:
+        """Completeness (eq. 3) from the lesions the warm-up model predicts (:meth:`scan`), and the
+        IoU trend (eq. 6) over the rounds before ``round_index`` (default: the warm-up rounds)."""
+        n_annotated = int(count_lesions(self.original_masks, self.connectivity).sum())
+        a_k = completeness_ratio(n_annotated, n_predicted)
         if a_k is None and self.warmup_from_first_lesion:
             self.ctx.log(f"site '{self.ctx.site}': the global model predicts no lesion yet; completeness "
                          f"estimate deferred to the next round")
@@ -451,13 +486,9 @@ class FedIAClient(SegmentationSupervisedClient):
         self.ctx.log(f"site '{self.ctx.site}': completeness {a_k:.4f} ({n_annotated} annotated / {n_predicted} "
                      f"predicted lesions), IoU trend {self.state['trend']}")
 
-    def correct(self, fg_prob: np.ndarray, round_index: int) -> int:
-        """Apply the correction rule to the current masks; returns the pixels changed."""
-        if self.correction_rule == "lesions":
-            self.masks, changed = correct_masks_lesionwise(self.masks, fg_prob, self.correction_threshold,
-                                                           self.prob_threshold, self.connectivity)
-        else:
-            self.masks, changed = correct_masks(self.masks, fg_prob, self.correction_threshold)
+    def correct(self, corrected: np.ndarray, changed: int, round_index: int) -> int:
+        """Adopt the masks the correction rule gave (:meth:`scan`); returns the pixels changed."""
+        self.masks = corrected
         self.state["correction_pending"] = False
         if changed == 0 and self.retry_empty_correction and not self.state["corrected"]:
             self.ctx.log(f"site '{self.ctx.site}': no pixel passed the correction threshold at round {round_index}; "
@@ -494,16 +525,17 @@ class FedIAClient(SegmentationSupervisedClient):
             self.ctx.log(f"site '{self.ctx.site}' has no training image: it takes no part in the average")
             return RoundResult(num_samples=0, stats={"mean_loss": 1.0, "iou": 0.0, "completeness": 1.0,
                                                      "completeness_ready": 0, "corrected": 0})
-        fg_prob = None  # the received global model's prediction, computed at most once
-        if r >= self.warmup_rounds and state["completeness"] is None:
-            model.to(self.ctx.device)
-            fg_prob = self.predict(model)
-            self.estimate(fg_prob, r)
+        # one pass of the received global model serves both steps
+        count = r >= self.warmup_rounds and state["completeness"] is None
+        correct = self.use_correction and state["correction_pending"]
         changed = 0
-        if self.use_correction and state["correction_pending"]:
+        if count or correct:
             model.to(self.ctx.device)
-            fg_prob = self.predict(model) if fg_prob is None else fg_prob
-            changed = self.correct(fg_prob, r)
+            n_predicted, corrected, changed = self.scan(model, count, correct)
+            if count:
+                self.estimate(n_predicted, r)
+            if correct:
+                changed = self.correct(corrected, changed, r)
         mean_loss, iou, steps = self.train_on(model, self.masks, r)
         state["iou_history"][str(r)] = iou
         state["loss_history"][str(r)] = mean_loss

@@ -92,7 +92,7 @@ from fedpartial.algorithms.base import ClientContext, ClientRule, RoundInput, Ro
 from fedpartial.algorithms.fedavg import fedavg_weights, labelled_rows
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL
-from fedpartial.training.common import (EMATeacher, batch_indices, images_to_tensor, masked_bce_with_logits,
+from fedpartial.training.common import (EMATeacher, ImageSource, batch_indices, masked_bce_with_logits,
                                         masked_cross_entropy, probabilities, round_seed, seed_everything)
 
 TEACHER_FILE = "fedirm_teacher.pt"
@@ -450,7 +450,6 @@ class FedIRMClient(ClientRule):
         if declared is not None and bool(declared) != self.labelled:
             raise ValueError(f"FedIRM: {data.where()} info_json says labelled={declared} but its train_label_mask "
                              f"has {'some' if self.labelled else 'no'} annotated entries")
-        norm = ctx.normalisation
         if self.labelled:
             self.rows = labelled_rows(train.labels, train.label_mask, data.task)
             if len(self.rows) == 0:
@@ -460,7 +459,7 @@ class FedIRMClient(ClientRule):
             self.label_mask = torch.as_tensor(train.label_mask[self.rows], dtype=torch.float32)
         else:
             self.rows = np.arange(len(train))
-        self.images = images_to_tensor(train.images[self.rows], norm["mean"], norm["std"])
+        self.images = ImageSource(train.images, ctx.normalisation, self.rows)  # uint8, read batch by batch
         self.teacher_path = os.path.join(ctx.state_dir, TEACHER_FILE)
         self._teacher = None
         self._teacher_state = None
@@ -516,7 +515,7 @@ class FedIRMClient(ClientRule):
             for idx in batch_indices(n, self.batch_size, rng, drop_last=True):
                 if self.ctx.abort():
                     return RoundResult(num_samples=0, metrics={"aborted": 1.0})
-                x = self._augment(self.images[idx]).to(device, non_blocking=True)
+                x = self._augment(self.images.batch(idx)).to(device, non_blocking=True)
                 labels, mask = self.labels[idx].to(device), self.label_mask[idx].to(device)
                 _, logits = model(x)
                 loss = self._supervised_loss(logits, labels, mask)
@@ -604,7 +603,7 @@ class FedIRMClient(ClientRule):
             for idx in batch_indices(n, self.batch_size, rng, drop_last=True):
                 if self.ctx.abort():
                     return RoundResult(num_samples=0, metrics={"aborted": 1.0})
-                x = self.images[idx]
+                x = self.images.batch(idx)
                 x_student = self._augment(x).to(device, non_blocking=True)
                 x_teacher = self._augment(x).to(device, non_blocking=True)
                 _, logits = model(x_student)

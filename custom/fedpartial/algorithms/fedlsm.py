@@ -77,8 +77,8 @@ from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, Serv
 from fedpartial.algorithms.fedavg import capped_counts, fedavg_weights
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, DataError
-from fedpartial.training.common import (EMATeacher, images_to_tensor, iteration_batches, predict, probabilities,
-                                        round_seed, seed_everything)
+from fedpartial.training.common import (EMATeacher, ImageSource, iteration_batches, probabilities, round_seed,
+                                        seed_everything)
 
 # Reference defaults (per site): skin 200 / 50 of ~1400 images, chest 2000 / 500 of ~9500.
 DEFAULT_CONFIDENT_FRACTION = {SINGLE_LABEL: 200 / 1400, MULTI_LABEL: 2000 / 9500}
@@ -373,8 +373,7 @@ class FedLSMClient(ClientRule):
             raise DataError(f"{data.where()}: train_labels has positives on unannotated entries (label_mask 0)")
         self.task = data.task
         self.num_classes = c
-        norm = ctx.normalisation
-        self.images = images_to_tensor(train.images, norm["mean"], norm["std"])
+        self.images = ImageSource(train.images, ctx.normalisation)  # uint8, read batch by batch
         self.labels = torch.from_numpy(labels)
         self.label_mask = torch.from_numpy(mask.astype(np.float32))
         self.label_pos, self.label_neg = class_statistics(labels, mask)
@@ -437,14 +436,14 @@ class FedLSMClient(ClientRule):
     # -- one round -------------------------------------------------------------------------
     def train_round(self, model, inp: RoundInput) -> RoundResult:
         ctx, device = self.ctx, self.ctx.device
-        n, c = self.images.shape[0], self.num_classes
+        n, c = len(self.images), self.num_classes
         seed = round_seed(ctx.seed, ctx.site, inp.round)
         seed_everything(seed)
         rng = np.random.default_rng(seed)
         self._reset_view(seed)
 
         # 1-2. Uncertainty of the received global model, split by rank.
-        logits = predict(model, self.images, device, batch_size=self.eval_batch_size)
+        logits = self.images.predict(model, device, batch_size=self.eval_batch_size)
         entropy = sample_entropy(probabilities(logits, self.task), self.label_mask, self.task)
         if self.use_ue:
             confident, medium, uncertain = entropy_split(entropy, self.conf_frac, self.unc_frac)
@@ -478,7 +477,7 @@ class FedLSMClient(ClientRule):
             if ctx.abort():
                 break
             idx = torch.as_tensor(pool[batch], dtype=torch.long)
-            x = self.images[idx]
+            x = self.images.batch(idx)
             labels, mask = self.labels[idx].to(device), self.label_mask[idx].to(device)
             teacher_in = [flip_batch(x)]  # teacher: weak view of the pool batch
             if do_ude:
@@ -487,8 +486,9 @@ class FedLSMClient(ClientRule):
                 m = min(len(ci), len(ui))
                 ci, ui = ci[:m], ui[:m]
                 # reference code: the MixUp pair is taken without augmentation
-                xc, xu = self.images[ci].to(device), self.images[ui].to(device)
-                teacher_in += [self.images[ci], self.images[ui]]
+                xc_cpu, xu_cpu = self.images.batch(ci), self.images.batch(ui)
+                xc, xu = xc_cpu.to(device), xu_cpu.to(device)
+                teacher_in += [xc_cpu, xu_cpu]
             with torch.no_grad():  # one eval-mode teacher pass for the pool batch and the pairs
                 t_all = probabilities(teacher.model(torch.cat(teacher_in).to(device))[1].float(), self.task)
             b = len(idx)

@@ -79,8 +79,8 @@ from fedpartial.algorithms.fedavg import capped_counts, fedavg_weights
 from fedpartial.algorithms.fedlsm import average_classifier_rows
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, DataError
-from fedpartial.training.common import (batch_indices, images_to_tensor, masked_bce_with_logits, predict,
-                                        round_seed, seed_everything)
+from fedpartial.training.common import (ImageSource, batch_indices, masked_bce_with_logits, round_seed,
+                                        seed_everything)
 
 #: ``positive_tag_cap`` choices: the paper's rank rule alone, or capped by the class's prevalence
 POSITIVE_TAG_CAPS = ("none", "prevalence")
@@ -489,8 +489,7 @@ class FedMLPClient(ClientRule):
         self.labels_np = np.asarray(train.labels, dtype=np.float32)
         self.mask_np = np.asarray(train.label_mask).astype(bool)
         self.annotated = self.mask_np.any(axis=0)
-        norm = ctx.normalisation
-        self.images = images_to_tensor(train.images, norm["mean"], norm["std"])
+        self.images = ImageSource(train.images, ctx.normalisation)  # uint8, read batch by batch
         self.class_names = list(data.class_names)
         self.tags_path = os.path.join(ctx.state_dir, TAGS_FILE)
         os.makedirs(ctx.state_dir, exist_ok=True)
@@ -537,7 +536,7 @@ class FedMLPClient(ClientRule):
         valid = np.asarray(gs["prototype_valid"], dtype=bool)
         candidate = ~self.mask_np & (self.tags == UNTAGGED) & valid[None, :]
         if candidate.any():
-            _, feats = predict(model, self.images, self.ctx.device, self.prediction_batch_size, with_features=True)
+            _, feats = self.images.predict(model, self.ctx.device, self.prediction_batch_size, with_features=True)
             z = prototype_scores(feats, torch.as_tensor(np.asarray(gs["prototypes_neg"])),
                                  torch.as_tensor(np.asarray(gs["prototypes_pos"])))
             tau0, tau1 = self._thresholds(gs, c)
@@ -620,8 +619,9 @@ class FedMLPClient(ClientRule):
                     return RoundResult(num_samples=n, metrics=metrics)
                 y, m = targets[idx].to(device), loss_weights[idx].to(device)
                 loss_sup = loss_cr = torch.zeros((), device=device)
+                images = self.images.batch(idx)  # read once, augmented once per view
                 for _v in range(self.num_views):
-                    x = self._augment(self.images[idx]).to(device, non_blocking=True)
+                    x = self._augment(images).to(device, non_blocking=True)
                     _, logits = model(x)
                     loss_sup = loss_sup + wpc_loss(logits, y, m, offset) / self.num_views
                     if teacher is not None:
@@ -658,7 +658,7 @@ class FedMLPClient(ClientRule):
     def local_stats(self, model) -> Dict[str, np.ndarray]:
         """Prototypes and learning degrees of the locally trained model (Algorithm 1, Local
         Calculation), for the annotated classes; zeros (and ``annotated`` False) elsewhere."""
-        logits, feats = predict(model, self.images, self.ctx.device, self.prediction_batch_size, with_features=True)
+        logits, feats = self.images.predict(model, self.ctx.device, self.prediction_batch_size, with_features=True)
         p_neg, p_pos, n_neg, n_pos = class_prototypes(feats.numpy(), self.labels_np, self.mask_np)
         degree = learning_degree(torch.sigmoid(logits).numpy(), self.annotated, self.low, self.high)
         return {"prototypes_neg": p_neg.astype(np.float32), "prototypes_pos": p_pos.astype(np.float32),

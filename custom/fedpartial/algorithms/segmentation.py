@@ -4,8 +4,8 @@ warm-up share these pieces.
 * :func:`binary_masks` checks a site's train masks and turns them into 0/1 uint8 ``(N, H, W)``;
 * :func:`train_dice_epoch` runs one local epoch with MONAI ``DiceLoss(sigmoid=True)`` and returns
   the sample-weighted mean loss (FedIA's ℓ_k, eq. 5);
-* :func:`foreground_probabilities` and :func:`iou_score` give the IoU of a model on the site's
-  own train masks (FedIA's IoU_k(t));
+* :func:`foreground_batches` and :func:`iou_counts` give the IoU of a model on the site's own
+  train masks (FedIA's IoU_k(t)) batch by batch; :func:`iou_score` on whole mask stacks;
 * :class:`SegmentationSupervisedClient` is the baseline client rule (jobs ``fedavg_seg`` on the
   incomplete masks and ``fedavg_seg_full`` on the complete reference copies).
 
@@ -17,14 +17,14 @@ the reference code's Adam uses 5e-4). It is a constructor argument, so
 """
 from __future__ import annotations
 
-from typing import Callable, Tuple
+from typing import Callable, Iterator, Tuple
 
 import numpy as np
 import torch
 
 from fedpartial.algorithms.base import ClientContext, ClientRule, RoundInput, RoundResult
 from fedpartial.data.types import DataError
-from fedpartial.training.common import batch_indices, images_to_tensor, predict, round_seed, seed_everything
+from fedpartial.training.common import ImageSource, batch_indices, predict_batches, round_seed, seed_everything
 
 
 def binary_masks(ctx: ClientContext, split: str = "train") -> np.ndarray:
@@ -109,14 +109,14 @@ def lesion_batches(has_lesion: np.ndarray, batch_size: int, rng: np.random.Gener
         yield idx
 
 
-def train_dice_epoch(model: torch.nn.Module, images: torch.Tensor, masks: np.ndarray, optimizer: torch.optim.Optimizer,
+def train_dice_epoch(model: torch.nn.Module, images, masks: np.ndarray, optimizer: torch.optim.Optimizer,
                      loss_fn: Callable, device: torch.device, batch_size: int, rng: np.random.Generator,
                      abort: Callable[[], bool] = lambda: False, lesion_fraction: float = 0.0) -> Tuple[float, int]:
     """One local epoch of Dice-loss training on ``images`` / ``masks``.
 
     Args:
         model: a segmentation model, ``model(x) -> (features, logits (N, 1, H, W))``; trained in place.
-        images: normalised ``(N, C, H, W)`` CPU tensor.
+        images: normalised ``(N, C, H, W)`` CPU tensor, or an :class:`ImageSource` (read batch by batch).
         masks: uint8 0/1 ``(N, H, W)`` targets (the masks the site trains on this round).
         optimizer: optimizer over ``model``'s parameters.
         loss_fn: e.g. :func:`make_dice_loss`; called as ``loss_fn(logits, target)``.
@@ -131,7 +131,7 @@ def train_dice_epoch(model: torch.nn.Module, images: torch.Tensor, masks: np.nda
         ``(mean_loss, steps)``: the per-image mean training loss (each batch loss weighted by its
         size, FedIA eq. 5) and the number of optimizer steps. ``mean_loss`` is NaN when no step ran.
     """
-    n = int(images.shape[0])
+    n = len(images)
     model.train()
     total, seen, steps = 0.0, 0, 0
     batches = (lesion_batches(masks.reshape(n, -1).any(axis=1), batch_size, rng, lesion_fraction)
@@ -152,22 +152,41 @@ def train_dice_epoch(model: torch.nn.Module, images: torch.Tensor, masks: np.nda
     return (total / seen if seen else float("nan")), steps
 
 
-def foreground_probabilities(model: torch.nn.Module, images: torch.Tensor, device: torch.device,
-                             batch_size: int = 16) -> np.ndarray:
-    """Sigmoid foreground probability ``(N, H, W)`` float32 of ``model`` in eval mode.
+def foreground_batches(model: torch.nn.Module, images, device: torch.device, batch_size: int = 16
+                       ) -> Iterator[Tuple[slice, np.ndarray]]:
+    """Sigmoid foreground probabilities of ``model`` in eval mode, one batch at a time, so a
+    whole split's probabilities never exist at once. Yields ``(rows, probs)``: the slice of the
+    images and their ``(B, H, W)`` float32 probabilities, in order.
 
     Args:
         model: segmentation model with one output channel.
-        images: normalised ``(N, C, H, W)`` CPU tensor.
+        images: normalised ``(N, C, H, W)`` CPU tensor or an :class:`ImageSource`.
         device: where to run.
         batch_size: images per forward pass.
     """
-    if images.shape[0] == 0:
-        return np.zeros((0,) + tuple(images.shape[2:]), dtype=np.float32)
-    logits = predict(model, images, device, batch_size=batch_size)
-    if logits.ndim != 4 or logits.shape[1] != 1:
-        raise ValueError(f"segmentation model must output (N, 1, H, W) logits, got {tuple(logits.shape)}")
-    return torch.sigmoid(logits[:, 0]).numpy().astype(np.float32)
+    for start, logits in predict_batches(model, images, device, batch_size=batch_size):
+        if logits.ndim != 4 or logits.shape[1] != 1:
+            raise ValueError(f"segmentation model must output (N, 1, H, W) logits, got {tuple(logits.shape)}")
+        yield slice(start, start + logits.shape[0]), torch.sigmoid(logits[:, 0]).numpy().astype(np.float32)
+
+
+def iou_counts(predicted: np.ndarray, target: np.ndarray) -> Tuple[int, int]:
+    """Pixels in the intersection and in the union of two binary mask stacks (summed over a
+    split batch by batch, they give :func:`iou_score` of the whole split).
+
+    Args:
+        predicted: bool / 0-1 array.
+        target: bool / 0-1 array of the same shape.
+    """
+    predicted, target = np.asarray(predicted) > 0, np.asarray(target) > 0
+    if predicted.shape != target.shape:
+        raise ValueError(f"IoU: predicted shape {predicted.shape} != target shape {target.shape}")
+    return int(np.logical_and(predicted, target).sum()), int(np.logical_or(predicted, target).sum())
+
+
+def iou_from_counts(intersection: int, union: int) -> float:
+    """``intersection / union``; 1.0 when the union is empty (both masks empty everywhere)."""
+    return 1.0 if union == 0 else intersection / union
 
 
 def iou_score(predicted: np.ndarray, target: np.ndarray) -> float:
@@ -178,13 +197,7 @@ def iou_score(predicted: np.ndarray, target: np.ndarray) -> float:
         predicted: bool / 0-1 array.
         target: bool / 0-1 array of the same shape.
     """
-    predicted, target = np.asarray(predicted) > 0, np.asarray(target) > 0
-    if predicted.shape != target.shape:
-        raise ValueError(f"iou_score: predicted shape {predicted.shape} != target shape {target.shape}")
-    union = np.logical_or(predicted, target).sum()
-    if union == 0:
-        return 1.0
-    return float(np.logical_and(predicted, target).sum() / union)
+    return iou_from_counts(*iou_counts(predicted, target))
 
 
 class SegmentationSupervisedClient(ClientRule):
@@ -229,8 +242,7 @@ class SegmentationSupervisedClient(ClientRule):
     def setup(self, ctx: ClientContext) -> None:
         super().setup(ctx)
         self.masks = binary_masks(ctx, "train")
-        norm = ctx.normalisation
-        self.images = images_to_tensor(ctx.data.splits["train"].images, norm["mean"], norm["std"])
+        self.images = ImageSource(ctx.data.splits["train"].images, ctx.normalisation)  # uint8, read batch by batch
         self.loss_fn = make_dice_loss(self.dice_batch, self.loss)
 
     def round_rng(self, round_index: int) -> np.random.Generator:
@@ -251,12 +263,20 @@ class SegmentationSupervisedClient(ClientRule):
             mean_loss, epoch_steps = train_dice_epoch(model, self.images, masks, optimizer, self.loss_fn, device,
                                                       self.batch_size, rng, self.ctx.abort, self.lesion_fraction)
             steps += epoch_steps
-        iou = iou_score(self.predict(model) > self.prob_threshold, masks)
-        return mean_loss, iou, steps
+        return mean_loss, self.iou(model, masks), steps
 
-    def predict(self, model) -> np.ndarray:
-        """Foreground probabilities ``(N, H, W)`` of ``model`` on the site's train images."""
-        return foreground_probabilities(model, self.images, self.ctx.device, self.predict_batch_size)
+    def predict_batches(self, model) -> Iterator[Tuple[slice, np.ndarray]]:
+        """Foreground probabilities of ``model`` on the site's train images, batch by batch
+        (:func:`foreground_batches`)."""
+        return foreground_batches(model, self.images, self.ctx.device, self.predict_batch_size)
+
+    def iou(self, model, masks: np.ndarray) -> float:
+        """Pooled IoU of ``model``'s prediction (probability > ``prob_threshold``) on ``masks``."""
+        intersection = union = 0
+        for rows, probs in self.predict_batches(model):
+            i, u = iou_counts(probs > self.prob_threshold, masks[rows])
+            intersection, union = intersection + i, union + u
+        return iou_from_counts(intersection, union)
 
     def train_round(self, model, inp: RoundInput) -> RoundResult:
         n = len(self.masks)

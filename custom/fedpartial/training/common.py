@@ -1,5 +1,5 @@
-"""Shared training mechanics: device, seeds, image tensors, batches, EMA, masked losses,
-prediction. Every method reuses these; none keeps its own copy."""
+"""Shared training mechanics: device, seeds, image tensors and the lazy image source, batches,
+EMA, masked losses, prediction. Every method reuses these; none keeps its own copy."""
 from __future__ import annotations
 
 import copy
@@ -277,35 +277,122 @@ def masked_cross_entropy(logits: torch.Tensor, target_index: torch.Tensor, class
     return (loss * sample_weight).sum() / sample_weight.sum().clamp_min(1e-8)
 
 
+class ImageSource:
+    """A split's uint8 images (in memory, or memory-mapped from a site folder) handed out as
+    normalised float batches, so no client ever holds a whole split as floats (at 224 px RGB a
+    float image is 600 kB). Each batch is the slice of what ``images_to_tensor`` of the whole
+    split (or of ``images[rows]``) would give: same values, same order, so seeded runs are equal.
+
+    It can stand where a float ``(N, C, H, W)`` tensor was indexed: ``source[idx]``, ``len`` and
+    ``shape`` behave alike, and :func:`predict` accepts it.
+
+    Args:
+        images: uint8 ``(N, H, W)`` / ``(N, H, W, 3)`` array or ``np.memmap``.
+        normalisation: ``{"mean": float, "std": float}`` (None = 0.5 / 0.5, as images_to_tensor).
+        rows: optional row indices of ``images`` that make up the source (e.g. the labelled
+            samples); position ``i`` of the source is ``images[rows[i]]``.
+    """
+
+    def __init__(self, images: np.ndarray, normalisation: Optional[dict] = None, rows: Optional[np.ndarray] = None):
+        norm = normalisation or {"mean": 0.5, "std": 0.5}
+        self.images, self.mean, self.std = images, norm["mean"], norm["std"]
+        self.rows = None if rows is None else np.asarray(rows)
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0] if self.rows is None else len(self.rows))
+
+    @property
+    def shape(self) -> tuple:
+        """``(N, C, H, W)``: the shape of the float tensor the whole source would be."""
+        s = self.images.shape
+        return (len(self), 1, s[1], s[2]) if len(s) == 3 else (len(self), s[3], s[1], s[2])
+
+    def batch(self, idx) -> torch.Tensor:
+        """Normalised float ``(B, C, H, W)`` images at positions ``idx``, in that order.
+
+        Args:
+            idx: a slice, or integer positions (numpy array, list or torch tensor; repeats allowed).
+        """
+        if isinstance(idx, slice):
+            if self.rows is None:
+                # np.array: one block copied out of a (read-only) memory map, front to back
+                return images_to_tensor(np.array(self.images[idx]), self.mean, self.std)
+            idx = np.arange(len(self))[idx]
+        positions = idx.cpu().numpy() if isinstance(idx, torch.Tensor) else np.asarray(idx)
+        rows = positions if self.rows is None else self.rows[positions]
+        return images_to_tensor(take_rows(self.images, rows), self.mean, self.std)
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        return self.batch(idx)
+
+    def predict(self, model: torch.nn.Module, device: torch.device, batch_size: int = 256,
+                view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, with_features: bool = False):
+        """:func:`predict` over the whole source, one batch of floats at a time."""
+        return predict(model, self, device, batch_size, view, with_features)
+
+    def predict_batches(self, model: torch.nn.Module, device: torch.device, batch_size: int = 256,
+                        view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, with_features: bool = False):
+        """:func:`predict_batches` over the whole source (for passes that reduce as they go)."""
+        return predict_batches(model, self, device, batch_size, view, with_features)
+
+
 @torch.no_grad()
-def predict(model: torch.nn.Module, images: torch.Tensor, device: torch.device, batch_size: int = 256,
-            view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, with_features: bool = False):
-    """Run ``model`` in eval mode over ``images`` (``(N,C,H,W)`` CPU tensor); returns logits
-    (and features) as CPU tensors."""
+def predict_batches(model: torch.nn.Module, images, device: torch.device, batch_size: int = 256,
+                    view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, with_features: bool = False):
+    """Run ``model`` in eval mode over ``images`` in order, ``batch_size`` at a time, yielding
+    ``(start, logits)`` (or ``(start, logits, features)``) per batch as CPU tensors; the model's
+    train / eval mode is restored afterwards.
+
+    Args:
+        model: the network.
+        images: ``(N, C, H, W)`` float CPU tensor or an :class:`ImageSource`.
+        device: where the model runs.
+        batch_size: images per forward pass.
+        view: optional batch view applied before the forward pass.
+        with_features: also yield the features.
+    """
     was_training = model.training
     model.eval()
+    try:
+        for start in range(0, len(images), batch_size):
+            x = images[start:start + batch_size]
+            if view is not None:
+                x = view(x)
+            f, z = model(x.to(device, non_blocking=True))
+            yield (start, z.float().cpu(), f.float().cpu()) if with_features else (start, z.float().cpu())
+    finally:
+        model.train(was_training)
+
+
+def predict(model: torch.nn.Module, images, device: torch.device, batch_size: int = 256,
+            view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None, with_features: bool = False):
+    """Run ``model`` in eval mode over ``images`` (``(N,C,H,W)`` CPU tensor or an
+    :class:`ImageSource`); returns logits (and features) as CPU tensors.
+
+    Args:
+        model: the network.
+        images: float tensor or :class:`ImageSource`.
+        device: where the model runs.
+        batch_size: images per forward pass.
+        view: optional batch view applied before the forward pass.
+        with_features: also return the features.
+    """
     logits, feats = [], []
-    for start in range(0, images.shape[0], batch_size):
-        x = images[start:start + batch_size]
-        if view is not None:
-            x = view(x)
-        f, z = model(x.to(device, non_blocking=True))
-        logits.append(z.float().cpu())
+    for out in predict_batches(model, images, device, batch_size, view, with_features):
+        logits.append(out[1])
         if with_features:
-            feats.append(f.float().cpu())
-    model.train(was_training)
+            feats.append(out[2])
     out = torch.cat(logits) if logits else torch.empty(0)
     if with_features:
         return out, (torch.cat(feats) if feats else torch.empty(0))
     return out
 
 
-@torch.no_grad()
 def predict_uint8(model: torch.nn.Module, images: np.ndarray, normalisation: Optional[dict], device: torch.device,
                   batch_size: int = 256, view: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                   with_features: bool = False):
     """:func:`predict` over a uint8 image array (in memory or memory-mapped), converting one
-    batch at a time to floats, so a split never exists whole as a float tensor. Same outputs as
+    batch at a time to floats (:class:`ImageSource`). Same outputs as
     ``predict(model, images_to_tensor(images, mean, std), device, batch_size, view, with_features)``.
 
     Args:
@@ -317,21 +404,7 @@ def predict_uint8(model: torch.nn.Module, images: np.ndarray, normalisation: Opt
         view: optional batch view applied before the forward pass.
         with_features: also return the features.
     """
-    norm = normalisation or {"mean": 0.5, "std": 0.5}
-    logits, feats = [], []
-    for start in range(0, images.shape[0], batch_size):
-        # np.array: one batch copied out of a (read-only) memory map; torch warns on read-only arrays
-        x = images_to_tensor(np.array(images[start:start + batch_size]), norm["mean"], norm["std"])
-        out = predict(model, x, device, batch_size, view, with_features)
-        if with_features:
-            logits.append(out[0])
-            feats.append(out[1])
-        else:
-            logits.append(out)
-    out = torch.cat(logits) if logits else torch.empty(0)
-    if with_features:
-        return out, (torch.cat(feats) if feats else torch.empty(0))
-    return out
+    return ImageSource(images, normalisation).predict(model, device, batch_size, view, with_features)
 
 
 def probabilities(logits: torch.Tensor, task: str) -> torch.Tensor:
