@@ -287,12 +287,19 @@ def gap_closed(value: float, lower: float, upper: float) -> float:
 
 
 def _curve(metrics_file: str, key: str) -> List[float]:
-    """Mean over sites of the validation ``key`` of the model each round started from."""
+    """Mean over sites of the validation ``key`` of the model each round started from; for a
+    Dice key of segmentation sites, the Dice pooled over every site's val pixels."""
+    from fedpartial.metrics.segmentation import pooled_validation
+
     if not os.path.isfile(metrics_file):
         return []
     rounds = json.load(open(metrics_file))["rounds"]
     out = []
     for r in rounds:
+        pooled = pooled_validation({k: s.get("val") for k, s in r["sites"].items()}) if key.startswith("dice") else None
+        if pooled is not None:
+            out.append(float(pooled["dice_pooled"]))
+            continue
         vals = [s.get("val", {}).get(key) for s in r["sites"].values()]
         vals = [v for v in vals if v is not None]
         out.append(float(np.mean(vals)) if vals else float("nan"))
@@ -538,7 +545,7 @@ def plot_results(rows: List[dict], out_dir: str) -> None:
                 n = min(len(c) for c in curves)
                 ax.plot(range(1, n + 1), np.nanmean([c[:n] for c in curves], axis=0), label=job)
         ax.set_xlabel("round")
-        ax.set_ylabel(f"val {suite.metrics[0]} of the global model (mean of sites)")
+        ax.set_ylabel(f"val {suite.metrics[0]} of the global model " + ("(pooled over sites)" if is_segmentation(name) else "(mean of sites)"))
         ax.set_title(name)
         ax.legend()
         fig.tight_layout()
