@@ -24,7 +24,7 @@ def test_blank_rounds_completeness_and_weights(tmp_path):
          "server": {"rule": "completeness_aware", "weights": {"site-1": 0.4, "site-2": 0.6},
                     "completeness": {"site-1": 0.3, "site-2": 0.6}, "completeness_ready": {"site-1": 1, "site-2": 1}}}]
     (seed / "fedia_lesions" / "metrics.json").write_text(json.dumps({"rounds": rounds}))
-    assert fedia_report.blank_rounds(str(seed / "fedia_lesions")) == 1
+    assert fedia_report.blank_rounds(str(seed / "fedia_lesions")) == (1, 2)
     assert "| ms-x-m2 | fedia_lesions | seed0: 1/2 |" in fedia_report.blank_rounds_table(str(tmp_path))
     rows = fedia_report.completeness_rows(str(tmp_path))
     assert [(r["site"], r["estimate"], r["true"], r["round"]) for r in rows] == [

@@ -11,10 +11,7 @@ import argparse
 import glob
 import json
 import os
-from typing import Dict, List, Optional
-
-FEDIA_JOBS = ("fedia_lesions", "fedia_lesions_paper", "fedia")
-
+from typing import Dict, List, Optional, Tuple
 
 def _rounds(ws: str) -> List[dict]:
     path = os.path.join(ws, "metrics.json")
@@ -24,13 +21,13 @@ def _rounds(ws: str) -> List[dict]:
         return json.load(f).get("rounds", [])
 
 
-def completeness_rows(out_dir: str, jobs=FEDIA_JOBS) -> List[dict]:
-    """One row per suite, seed, FedIA job and site: the estimate the sites sent (the first round
-    at which every site was ready, as the server used it) and the counted truth.
+def completeness_rows(out_dir: str) -> List[dict]:
+    """One row per suite, seed, FedIA run and site: the estimate the sites sent (the first round
+    at which every site was ready, as the server used it) and the counted truth. A FedIA run is
+    any job whose metrics.json holds the server's completeness entries.
 
     Args:
         out_dir: a bench output folder (``<suite>/seed<k>/<job>/metrics.json``).
-        jobs: the FedIA job names to read.
     """
     rows = []
     for summary_path in sorted(glob.glob(os.path.join(out_dir, "*", "seed*", "sites", "split_summary.json"))):
@@ -38,9 +35,10 @@ def completeness_rows(out_dir: str, jobs=FEDIA_JOBS) -> List[dict]:
         suite, seed = os.path.basename(os.path.dirname(seed_dir)), os.path.basename(seed_dir)
         with open(summary_path) as f:
             per_site = json.load(f)["per_site"]
-        for job in jobs:
-            rounds = _rounds(os.path.join(seed_dir, job))
-            if not rounds:
+        for ws in sorted(glob.glob(os.path.join(seed_dir, "*", "metrics.json"))):
+            job = os.path.basename(os.path.dirname(ws))
+            rounds = _rounds(os.path.dirname(ws))
+            if not any("completeness" in r.get("server", {}) for r in rounds):
                 continue
             ready = [r for r in rounds if r.get("server", {}).get("completeness_ready")
                      and all(r["server"]["completeness_ready"].values())]
@@ -53,15 +51,15 @@ def completeness_rows(out_dir: str, jobs=FEDIA_JOBS) -> List[dict]:
     return rows
 
 
-def blank_rounds(ws: str) -> Optional[int]:
-    """Rounds whose received global model predicted no lesion on any site's val images (None
-    without pooled validation, e.g. classification)."""
+def blank_rounds(ws: str) -> Optional[Tuple[int, int]]:
+    """``(rounds whose received global model predicted no lesion on any site's val images,
+    rounds)``; None without pooled validation (e.g. classification)."""
     from fedpartial.metrics.segmentation import pooled_validation
 
     pooled = [pooled_validation({k: s.get("val") for k, s in r.get("sites", {}).items()}) for r in _rounds(ws)]
     if not pooled or any(p is None for p in pooled):
         return None
-    return sum(1 for p in pooled if p["n_images"] and p["predicted_lesion_share"] == 0)
+    return sum(1 for p in pooled if p["n_images"] and p["predicted_lesion_share"] == 0), len(pooled)
 
 
 def blank_rounds_table(out_dir: str) -> str:
@@ -71,9 +69,9 @@ def blank_rounds_table(out_dir: str) -> str:
         ws = os.path.dirname(path)
         seed_dir = os.path.dirname(ws)
         key = (os.path.basename(os.path.dirname(seed_dir)), os.path.basename(ws))
-        count = blank_rounds(ws)
-        if count is not None:
-            runs.setdefault(key, {})[os.path.basename(seed_dir)] = f"{count}/{len(_rounds(ws))}"
+        counts = blank_rounds(ws)
+        if counts is not None:
+            runs.setdefault(key, {})[os.path.basename(seed_dir)] = f"{counts[0]}/{counts[1]}"
     lines = ["| suite | job | rounds without a predicted lesion, per seed |", "|---|---|---|"]
     for (suite, job), seeds in sorted(runs.items()):
         lines.append(f"| {suite} | {job} | " + ", ".join(f"{s}: {v}" for s, v in sorted(seeds.items())) + " |")

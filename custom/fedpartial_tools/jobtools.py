@@ -274,6 +274,16 @@ def _server_metrics(sim_ws: str) -> Optional[str]:
     return hits[0] if hits else None
 
 
+def pooled_text(pooled: dict) -> str:
+    """``val pooled dice D, lesion predicted in S % of N val images`` for a
+    :func:`fedpartial.metrics.pooled_validation` result (D "undefined" when no pixel is lesion in
+    truth or prediction)."""
+    dice = pooled["dice_pooled"]
+    dice = "undefined (no lesion in truth or prediction)" if dice != dice else f"{dice:.3f}"
+    return (f"val pooled dice {dice}, lesion predicted in {100 * pooled['predicted_lesion_share']:.0f} % "
+            f"of {pooled['n_images']} val images")
+
+
 class RoundProgress:
     """Prints one line per aggregated round (round k/N, the key validation metric averaged over
     the sites, time left) from the server's ``metrics.json`` while a run goes on.
@@ -311,10 +321,7 @@ class RoundProgress:
         validated = any(s.get("val") for s in record.get("sites", {}).values())
         pooled = pooled_validation({k: s.get("val") for k, s in record.get("sites", {}).items()})
         if pooled is not None:  # segmentation: Dice over every site's val pixels, as `evaluate` scores it
-            dice = "undefined (no lesion in truth or prediction)" if pooled["dice_pooled"] != pooled["dice_pooled"] \
-                else f"{pooled['dice_pooled']:.3f}"
-            metric = (f"val pooled dice {dice}, lesion predicted in {100 * pooled['predicted_lesion_share']:.0f} % "
-                      f"of {pooled['n_images']} val images ({pooled['sites']} sites)")
+            metric = f"{pooled_text(pooled)} ({pooled['sites']} sites)"
             if pooled["predicted_lesion_share"] == 0:
                 metric += "; WARNING: the global model predicts no lesion at all"
         elif values:
@@ -412,8 +419,7 @@ def result_model_lines(cross_site: dict) -> List[str]:
     lines = []
     for file, scores in server_model_validation(cross_site).items():
         if "dice_pooled" in scores and "predicted_lesion_share" in scores:
-            lines.append(f"{file}: val pooled dice {scores['dice_pooled']:.3f}, lesion predicted in "
-                         f"{100 * scores['predicted_lesion_share']:.0f} % of {scores['n_images']} val images")
+            lines.append(f"{file}: {pooled_text(scores)}")
         elif scores:
             key = next(iter(scores))
             lines.append(f"{file}: val {key} {scores[key]:.3f} (mean over sites)")
