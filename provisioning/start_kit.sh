@@ -8,8 +8,10 @@
 #                   default /tmp/nvflare (lost on reboot); writes KIT_DIR/local/resources.json
 #
 # The kit runs "python3" from PATH: PYTHON (default: python3 on PATH, i.e. the active venv) must
-# import nvflare, torch and monai; its folder is put first on PATH. Sites need no fedpartial install:
-# jobs carry the package in app/custom. Output goes to KIT_DIR/console.log, FLARE's log to
+# import nvflare, torch and monai; its folder is put first on PATH. The installed runtime
+# (pip install --no-deps fedpartial_runtime-X-py3-none-any.whl into that venv) runs jobs packaged
+# with --installed-runtime; the script prints its version, or says that only jobs carrying their
+# code (app/custom, byoc) can run. Output goes to KIT_DIR/console.log, FLARE's log to
 # KIT_DIR/log.txt. Stop everything with
 #   nvflare system shutdown all --force --startup-kit ADMIN_KIT
 set -euo pipefail
@@ -28,12 +30,17 @@ PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
   || { echo "error: '$PYTHON' cannot import nvflare, torch and monai; activate the venv or set PYTHON" >&2; exit 2; }
 PYTHON="$("$PYTHON" -c 'import sys; print(sys.executable)')"
 export PATH="$(dirname "$PYTHON"):$PATH"
+"$PYTHON" -c "import fedpartial, os; print(f'fedpartial runtime {fedpartial.__version__} installed '
+              f'({os.path.dirname(fedpartial.__file__)})')" 2>/dev/null \
+  || echo "warning: '$PYTHON' has no fedpartial runtime installed: only jobs that carry their code (byoc) can run" >&2
 if [[ -n "$STORAGE" ]]; then
   [[ -f "$KIT/startup/fed_server.json" ]] || { echo "error: --storage is for the server kit" >&2; exit 2; }
   mkdir -p "$STORAGE"
   "$PYTHON" -c "import sys; from fedpartial_tools.deploy import keep_server_storage_in as k; print(k(sys.argv[1], sys.argv[2]))" \
     "$KIT" "$(cd "$STORAGE" && pwd)" 2>/dev/null \
-  || sed "s#/tmp/nvflare#$(cd "$STORAGE" && pwd)#g" "$KIT/local/resources.json.default" > "$KIT/local/resources.json"
+  || { SRC="$KIT/local/resources.json"; [[ -f "$SRC" ]] || SRC="$SRC.default"
+       sed "s#/tmp/nvflare#$(cd "$STORAGE" && pwd)#g" "$SRC" > "$KIT/local/resources.json.tmp"
+       mv "$KIT/local/resources.json.tmp" "$KIT/local/resources.json"; }
 fi
 if [[ -f "$KIT/daemon_pid.fl" ]] && kill -0 "$(cat "$KIT/daemon_pid.fl")" 2>/dev/null; then
   echo "error: $KIT is already running (daemon pid $(cat "$KIT/daemon_pid.fl"))" >&2; exit 1

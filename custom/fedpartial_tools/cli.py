@@ -32,7 +32,8 @@ def _cmd_simulate(args):
 def _cmd_package(args):
     from fedpartial_tools.jobtools import package_job
 
-    out = package_job(args.job, args.out, args.set, data_root=args.data_root, name=args.name)
+    out = package_job(args.job, args.out, args.set, data_root=args.data_root, name=args.name,
+                      with_code=not args.installed_runtime)
     print(out)
 
 
@@ -179,8 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_set(s)
     s.set_defaults(func=_cmd_simulate)
 
-    s = sub.add_parser("package-job", help="write a submit-ready job folder (code carried in app/custom)")
+    s = sub.add_parser("package-job", help="write a submit-ready job folder (code carried in app/custom, or none "
+                                           "with --installed-runtime)")
     s.add_argument("job")
+    s.add_argument("--installed-runtime", action="store_true",
+                   help="no code in the job (no app/custom): for sites with the fedpartial runtime wheel installed "
+                        "and no byoc right; the job names the runtime version it needs")
     s.add_argument("--out", required=True)
     s.add_argument("--data-root", default=None, help="absolute folder where every site finds <site>.npz")
     s.add_argument("--name", default=None, help="job name")

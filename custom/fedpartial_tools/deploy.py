@@ -21,6 +21,8 @@ Command line (used by the shell scripts)::
     python -m fedpartial_tools.deploy admin-kit PROD_DIR --role project_admin
     python -m fedpartial_tools.deploy job-task JOBDIR | data-overrides DATA_ROOT
     python -m fedpartial_tools.deploy stop-leftovers ROOT  # end processes naming ROOT; rc 1 if any survive
+    python -m fedpartial_tools.deploy build-runtime --out DIR   # DIR/fedpartial_runtime-<version>-py3-none-any.whl
+    python -m fedpartial_tools.deploy docker-project provisioning/project.yml --out project_docker.yml
 """
 from __future__ import annotations
 
@@ -43,6 +45,9 @@ DEFAULT_ADMINS = (("admin@hospital-a.org", "hospital_a", "project_admin"),
                   ("lead@hospital-a.org", "hospital_a", "lead"),
                   ("orgadmin@hospital-b.org", "hospital_b", "org_admin"))
 TERMINAL_PREFIX = "FINISHED"
+SITE_POLICY_BUILDER = "fedpartial_tools.provision_builders.SitePolicyBuilder"
+# the folder holding fedpartial_tools: on PYTHONPATH for `nvflare provision` (it imports the builder)
+TOOLS_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def nvflare_cmd() -> List[str]:
@@ -64,7 +69,8 @@ def site_list(num_sites: int) -> List[str]:
 
 
 def localhost_project(name: str, port: int, sites: Sequence[str], server_name: str = "localhost",
-                      admins: Sequence[Sequence[str]] = DEFAULT_ADMINS, site_org: str = "hospital") -> dict:
+                      admins: Sequence[Sequence[str]] = DEFAULT_ADMINS, site_org: str = "hospital",
+                      site_policy: Optional[dict] = None) -> dict:
     """A one-machine project (same layout as ``provisioning/project_localhost.yml``).
 
     Args:
@@ -75,6 +81,9 @@ def localhost_project(name: str, port: int, sites: Sequence[str], server_name: s
             projects use ``server`` with ``default_host: localhost``.
         admins: ``(email, org, role)`` triples.
         site_org: prefix of the sites' organisation names.
+        site_policy: args of :class:`fedpartial_tools.provision_builders.SitePolicyBuilder` (e.g.
+            ``{"allow_byoc": False}``: installed runtime, no code with jobs); ``None`` = FLARE's default
+            policy (byoc jobs allowed, as in POC).
     """
     server = {"name": server_name, "type": "server", "org": "hospital_a", "fed_learn_port": int(port)}
     if server_name != "localhost":
@@ -84,18 +93,20 @@ def localhost_project(name: str, port: int, sites: Sequence[str], server_name: s
         participants.append({"name": site, "type": "client", "org": f"{site_org}_{chr(ord('a') + i % 26)}"})
     for email, org, role in admins:
         participants.append({"name": email, "type": "admin", "org": org, "role": role})
+    builders = [
+        {"path": "nvflare.lighter.impl.workspace.WorkspaceBuilder", "args": {"template_file": ["master_template.yml"]}},
+        {"path": "nvflare.lighter.impl.static_file.StaticFileBuilder", "args": {"config_folder": "config"}},
+        {"path": "nvflare.lighter.impl.cert.CertBuilder"},
+        {"path": "nvflare.lighter.impl.signature.SignatureBuilder"},
+    ]
+    if site_policy is not None:
+        builders.insert(2, {"path": SITE_POLICY_BUILDER, "args": dict(site_policy)})
     return {
         "api_version": 3,
         "name": name,
         "description": "fedpartial one-machine project",
         "participants": participants,
-        "builders": [
-            {"path": "nvflare.lighter.impl.workspace.WorkspaceBuilder",
-             "args": {"template_file": ["master_template.yml"]}},
-            {"path": "nvflare.lighter.impl.static_file.StaticFileBuilder", "args": {"config_folder": "config"}},
-            {"path": "nvflare.lighter.impl.cert.CertBuilder"},
-            {"path": "nvflare.lighter.impl.signature.SignatureBuilder"},
-        ],
+        "builders": builders,
     }
 
 
@@ -131,6 +142,8 @@ def provision(project_file: str, workspace: str, env: Optional[dict] = None, tim
     """
     cmd = nvflare_cmd() + ["provision", "-p", os.path.abspath(project_file), "-w", os.path.abspath(workspace),
                            "--force"]
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (TOOLS_ROOT, env.get("PYTHONPATH", "")) if p)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"'{' '.join(cmd)}' failed (exit {res.returncode}):\n{res.stdout}\n{res.stderr}")
@@ -391,6 +404,66 @@ def demo_data(job_dir: str, out_dir: str, sites: int, shared_data: str = "") -> 
     return source
 
 
+# ---------------------------------------------------------------- installed runtime
+
+RUNTIME_DIST = "fedpartial_runtime"
+
+
+def build_runtime(out_dir: str, timeout: float = 300) -> str:
+    """Build the runtime wheel: the package ``fedpartial`` alone (what sites and the server execute;
+    not ``fedpartial_tools``, not the ``python -m fedpartial`` shim), version ``fedpartial.__version__``,
+    the runtime dependencies of ``pyproject.toml``. Returns the wheel's path.
+
+    Uses ``pip wheel --no-build-isolation`` with this interpreter's setuptools (no download).
+
+    Args:
+        out_dir: folder for the wheel (created).
+        timeout: seconds for the build.
+    """
+    import tempfile
+
+    import fedpartial
+    from fedpartial_tools.jobtools import NOT_SHIPPED
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(repo, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    version = fedpartial.__version__
+    os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory() as stage:
+        shutil.copytree(os.path.dirname(os.path.abspath(fedpartial.__file__)), os.path.join(stage, "fedpartial"),
+                        ignore=shutil.ignore_patterns(*NOT_SHIPPED))
+        deps = ", ".join(json.dumps(d) for d in project.get("dependencies", []))
+        with open(os.path.join(stage, "pyproject.toml"), "w") as f:
+            f.write(f"""[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{RUNTIME_DIST}"
+version = "{version}"
+description = "fedpartial runtime (executors, aggregators, persistor, methods) for FLARE sites and server"
+requires-python = {json.dumps(project.get("requires-python", ">=3.10"))}
+dependencies = [{deps}]
+
+[tool.setuptools.packages.find]
+include = ["fedpartial", "fedpartial.*"]
+""")
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+               "-w", os.path.abspath(out_dir), stage]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=stage)
+        if res.returncode != 0:
+            raise RuntimeError(f"building the runtime wheel failed (exit {res.returncode}):\n{res.stdout}\n{res.stderr}")
+    wheel = os.path.join(os.path.abspath(out_dir), f"{RUNTIME_DIST}-{version}-py3-none-any.whl")
+    if not os.path.isfile(wheel):
+        raise RuntimeError(f"pip wheel succeeded but wrote no '{wheel}'; found {os.listdir(out_dir)}")
+    return wheel
+
+
 # ---------------------------------------------------------------- processes
 
 def _cmdline(pid: int) -> str:
@@ -586,6 +659,10 @@ def _cmd_stop_leftovers(args):
     print(f"no process of {os.path.abspath(args.root)} is running")
 
 
+def _cmd_build_runtime(args):
+    print(build_runtime(args.out))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fedpartial_tools.deploy", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -640,6 +717,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--while-pid", type=int, default=0, help="stop when this process has ended")
     s.add_argument("--every", type=float, default=3.0, help="seconds between looks")
     s.set_defaults(func=_cmd_progress)
+    s = sub.add_parser("build-runtime", help="build the versioned runtime wheel (package fedpartial only) that "
+                                             "every site and the server install")
+    s.add_argument("--out", required=True, help="folder for fedpartial_runtime-<version>-py3-none-any.whl")
+    s.set_defaults(func=_cmd_build_runtime)
     s = sub.add_parser("stop-leftovers", help="end every process naming ROOT; exit 1 if one survives")
     s.add_argument("root")
     s.add_argument("--wait", type=float, default=0, help="seconds to let them exit by themselves first")

@@ -95,9 +95,14 @@ def apply_overrides(configs: Dict[str, dict], overrides: Sequence[str]) -> None:
             raise ValueError(f"--set '{key}': no such setting in the job's configs")
 
 
+# Components that refuse a job naming another runtime version than the installed fedpartial.
+RUNTIME_CHECKED = ("fedpartial.flare.executors.FedPartialExecutor", "fedpartial.flare.persistor.FedPartialPersistor")
+
+
 def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_root: Optional[str] = None,
-                with_code: bool = True, name: Optional[str] = None) -> str:
-    """Copy ``job_dir`` to ``out_dir`` with overrides applied and the fedpartial package in
+                with_code: bool = True, name: Optional[str] = None, runtime_version: Optional[str] = None) -> str:
+    """Copy ``job_dir`` to ``out_dir`` with overrides applied, the runtime version it needs written
+    into its fedpartial executor and persistor, and (``with_code``) the fedpartial package in
     ``app/custom`` (bring-your-own-code). Returns ``out_dir``.
 
     Args:
@@ -105,8 +110,12 @@ def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_
         out_dir: where the runnable job goes (replaced if present).
         overrides: ``key=value`` settings (see :func:`apply_overrides`).
         data_root: sets the client's ``data_root`` (where each site finds ``<site>.npz``).
-        with_code: copy the package into the job (needed for POC / provisioned sites).
+        with_code: copy the package into the job (bring-your-own-code: POC, and consortia whose
+            sites grant the byoc right). False: the job names only classes, for sites with the
+            runtime installed (``build-runtime``) and ``fedpartial.`` on their class allow-list.
         name: job name in meta.json (default: keep).
+        runtime_version: the fedpartial version the job needs (default: this ``fedpartial.__version__``);
+            sites and server with another version installed refuse the job at its start.
     """
     job_dir = os.path.abspath(job_dir)
     if not os.path.isfile(os.path.join(job_dir, "meta.json")):
@@ -121,6 +130,7 @@ def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_
     if data_root is not None:
         sets.insert(0, f"client.data_root={json.dumps(os.path.abspath(data_root))}")
     apply_overrides(configs, sets)
+    set_runtime_version(configs, fedpartial.__version__ if runtime_version is None else runtime_version)
     for side, p in paths.items():
         with open(p, "w") as f:
             f.write(json.dumps(configs[side], indent=2) + "\n")
@@ -136,6 +146,19 @@ def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_
         for app in glob.glob(os.path.join(out_dir, "*", "config")):
             copy_runtime(os.path.join(os.path.dirname(app), "custom"))
     return out_dir
+
+
+def set_runtime_version(configs: Dict[str, dict], version: str) -> int:
+    """Write ``runtime_version`` into the args of every :data:`RUNTIME_CHECKED` component of the
+    client / server configs (in place). Returns how many components got it."""
+    found = 0
+    for config in configs.values():
+        comps = [e.get("executor", {}) for e in config.get("executors", [])] + list(config.get("components", []))
+        for comp in comps:
+            if comp.get("path") in RUNTIME_CHECKED:
+                comp.setdefault("args", {})["runtime_version"] = str(version)
+                found += 1
+    return found
 
 
 # Not shipped: the ``python -m fedpartial`` entry point, a shim onto fedpartial_tools.cli.

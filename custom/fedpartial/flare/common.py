@@ -15,6 +15,34 @@ SITE_STATS = "site_stats"
 SITE_METRICS = "site_metrics"
 
 
+def runtime_version_error(required: str, where: str) -> str:
+    """Why the installed fedpartial cannot run a job that needs runtime ``required`` ("" = fine).
+
+    Jobs packaged for an installed runtime name the version they were written for
+    (``package-job --installed-runtime``); a site or server with another version must refuse the
+    job at its start rather than train with different code than the other participants.
+
+    Args:
+        required: the job's ``runtime_version`` ("" = the job names none: no check).
+        where: who checks, for the message (e.g. ``site 'site-1'`` or ``the server``).
+    """
+    import fedpartial
+
+    required = str(required or "").strip()
+    if not required or required == fedpartial.__version__:
+        return ""
+    return (f"the job needs fedpartial runtime {required} but {where} has fedpartial {fedpartial.__version__} "
+            f"installed ({os.path.dirname(fedpartial.__file__)}); install fedpartial_runtime-{required} there "
+            f"or package the job for {fedpartial.__version__}")
+
+
+def runtime_description() -> str:
+    """``fedpartial <version> from <folder>``: which code this process runs (logged at job start)."""
+    import fedpartial
+
+    return f"fedpartial {fedpartial.__version__} from {os.path.dirname(os.path.abspath(fedpartial.__file__))}"
+
+
 def import_class(dotted: str):
     """``"pkg.module.Class"`` -> the class; clear error naming the path when it is wrong."""
     module_name, _, name = dotted.rpartition(".")

@@ -18,7 +18,7 @@ from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.algorithms.base import ClientContext, RoundInput
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, build_model_from_settings, build_rule,
-                                     model_settings)
+                                     model_settings, runtime_description, runtime_version_error)
 from fedpartial.training.common import (check_memory_format, load_state_numpy, place_model, select_device,
                                         state_dict_numpy)
 
@@ -116,6 +116,8 @@ class FedPartialExecutor(Executor):
             ``TBAnalyticsReceiver`` on the server, every site's curves land in the server's
             ``tb_events/<site>``); "" = local files only.
         train_task_name / submit_model_task_name / validate_task_name: FLARE task names.
+        runtime_version: the fedpartial version the job was packaged for (``package-job`` fills it
+            in); a site whose installed fedpartial differs refuses the job at its start. "" = no check.
     """
 
     def __init__(self, rule: str = "fedpartial.algorithms.fedavg.SupervisedClient", rule_args: dict = None,
@@ -124,8 +126,9 @@ class FedPartialExecutor(Executor):
                  tensorboard: bool = True, train_task_name: str = AppConstants.TASK_TRAIN,
                  submit_model_task_name: str = AppConstants.TASK_SUBMIT_MODEL,
                  validate_task_name: str = AppConstants.TASK_VALIDATION, memory_format: str = "contiguous",
-                 analytics_writer: str = ""):
+                 analytics_writer: str = "", runtime_version: str = ""):
         super().__init__()
+        self.runtime_version = str(runtime_version or "")
         self.memory_format = check_memory_format(memory_format)  # at job load, not at the first task
         self.rule_path, self.rule_args = rule, dict(rule_args or {})
         self.settings = model_settings(model or {})
@@ -160,6 +163,9 @@ class FedPartialExecutor(Executor):
 
     def _setup(self, fl_ctx: FLContext):
         self.site = fl_ctx.get_identity_name()
+        wrong_runtime = runtime_version_error(self.runtime_version, f"site '{self.site}'")
+        if wrong_runtime:
+            raise ValueError(wrong_runtime)
         engine = fl_ctx.get_engine()
         job_id = fl_ctx.get_job_id()
         workspace = engine.get_workspace()
@@ -194,7 +200,7 @@ class FedPartialExecutor(Executor):
         self.rule.setup(ctx)
         n_train = len(self.data.splits["train"])
         self.log_info(fl_ctx, f"site '{self.site}': {n_train} training images from {data_path}; rule "
-                              f"{self.rule_path}; device {self.device}; state in {state_dir}")
+                              f"{self.rule_path}; device {self.device}; state in {state_dir}; {runtime_description()}")
         self.ready = True
 
     def _aborted(self) -> bool:

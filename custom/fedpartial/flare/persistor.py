@@ -19,7 +19,8 @@ from nvflare.app_common.app_event_type import AppEventType
 from nvflare.app_common.model_desc import ModelDescriptor
 
 from fedpartial.flare.aggregators import METRICS_FILE
-from fedpartial.flare.common import GLOBAL_STATS, build_model_from_settings, model_file_meta, model_settings
+from fedpartial.flare.common import (GLOBAL_STATS, build_model_from_settings, model_file_meta, model_settings,
+                                     runtime_description, runtime_version_error)
 from fedpartial.training.common import state_dict_numpy
 
 GLOBAL_MODEL_FILE = "global_model.pt"
@@ -39,6 +40,8 @@ class FedPartialPersistor(ModelPersistor):
             folder of a job lost in a server crash. The job starts from its weights and global
             statistics, and its ``metrics.json`` is carried over. The workflow's ``start_round``
             must be the file's round + 1 (``num_rounds`` then counts the rounds left).
+        runtime_version: the fedpartial version the job was packaged for (``package-job`` fills it
+            in); a server whose installed fedpartial differs stops the job at its start. "" = no check.
 
     The model block's ``pretrained`` (a weights file on the server, see
     :func:`fedpartial.models.pretrained.load_pretrained`) sets the body of the round-0 global
@@ -46,8 +49,9 @@ class FedPartialPersistor(ModelPersistor):
     resuming (the checkpoint already holds trained weights).
     """
 
-    def __init__(self, model: dict = None, seed: int = 0, resume_from: str = ""):
+    def __init__(self, model: dict = None, seed: int = 0, resume_from: str = "", runtime_version: str = ""):
         super().__init__()
+        self.runtime_version = str(runtime_version or "")
         self.settings = model_settings(model or {})
         self.seed = int(seed)
         torch.manual_seed(self.seed)
@@ -143,7 +147,15 @@ class FedPartialPersistor(ModelPersistor):
 
     def handle_event(self, event_type: str, fl_ctx: FLContext):
         super().handle_event(event_type, fl_ctx)
-        if event_type == AppEventType.GLOBAL_BEST_MODEL_AVAILABLE:
+        if event_type == EventType.START_RUN:
+            wrong_runtime = runtime_version_error(self.runtime_version, "the server")
+            if wrong_runtime:
+                # logged in full first: the panic reason alone may reach the log shortened
+                self.log_error(fl_ctx, wrong_runtime)
+                self.system_panic(wrong_runtime, fl_ctx)
+            else:
+                self.log_info(fl_ctx, runtime_description())
+        elif event_type == AppEventType.GLOBAL_BEST_MODEL_AVAILABLE:
             # The selector judged the model sent out at the start of this round, which is the one
             # last saved: copy that file.
             src = os.path.join(self._dir(fl_ctx), GLOBAL_MODEL_FILE)
