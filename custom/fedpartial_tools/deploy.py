@@ -464,6 +464,40 @@ include = ["fedpartial", "fedpartial.*"]
     return wheel
 
 
+DOCKER_BUILDER = "nvflare.lighter.impl.docker.DockerBuilder"
+STATIC_FILE_BUILDER = "nvflare.lighter.impl.static_file.StaticFileBuilder"
+
+
+def docker_project(project: dict, image: str, requirements_file: str = "") -> dict:
+    """``project`` (a project.yml dict) with NVFlare's container outputs switched on for ``image``
+    (built by ``docker/build.sh``):
+
+    * ``StaticFileBuilder`` ``docker_image``: every server / site / admin kit gets
+      ``startup/docker.sh`` (``docker run`` of the image with the kit mounted at /workspace,
+      a site's data at /data read-only);
+    * ``DockerBuilder`` with ``base_image`` = ``image``: ``prod_NN/compose.yaml`` (one service per
+      server and site, each kit mounted as a volume), ``prod_NN/.env`` and
+      ``prod_NN/nvflare_compose/Dockerfile`` (``FROM image``).
+
+    Args:
+        project: the project dict (not changed).
+        image: the fedpartial image, e.g. ``fedpartial:0.1.0``.
+        requirements_file: extra packages for ``nvflare_compose/`` ("" = none: the image has the stack).
+    """
+    import copy
+
+    out = copy.deepcopy(project)
+    builders = out.get("builders") or []
+    static = [b for b in builders if b.get("path") == STATIC_FILE_BUILDER]
+    if not static:
+        raise ValueError(f"project '{out.get('name')}' has no {STATIC_FILE_BUILDER} among its builders")
+    static[0].setdefault("args", {})["docker_image"] = image
+    builders[:] = [b for b in builders if b.get("path") != DOCKER_BUILDER]
+    builders.insert(builders.index(static[0]) + 1,
+                    {"path": DOCKER_BUILDER, "args": {"base_image": image, "requirements_file": requirements_file}})
+    return out
+
+
 # ---------------------------------------------------------------- processes
 
 def _cmdline(pid: int) -> str:
@@ -659,6 +693,17 @@ def _cmd_stop_leftovers(args):
     print(f"no process of {os.path.abspath(args.root)} is running")
 
 
+def _cmd_docker_project(args):
+    import yaml
+
+    import fedpartial
+
+    with open(args.project) as f:
+        project = yaml.safe_load(f)
+    write_project(args.out, docker_project(project, args.image or f"fedpartial:{fedpartial.__version__}"))
+    print(args.out)
+
+
 def _cmd_build_runtime(args):
     print(build_runtime(args.out))
 
@@ -721,6 +766,12 @@ def build_parser() -> argparse.ArgumentParser:
                                              "every site and the server install")
     s.add_argument("--out", required=True, help="folder for fedpartial_runtime-<version>-py3-none-any.whl")
     s.set_defaults(func=_cmd_build_runtime)
+    s = sub.add_parser("docker-project", help="a project.yml whose kits get docker.sh and the provisioning "
+                                              "compose.yaml for the fedpartial image")
+    s.add_argument("project", help="e.g. provisioning/project.yml")
+    s.add_argument("--image", default="", help="default fedpartial:<fedpartial.__version__> (docker/build.sh)")
+    s.add_argument("--out", required=True, help="the project file to write (provision it like the original)")
+    s.set_defaults(func=_cmd_docker_project)
     s = sub.add_parser("stop-leftovers", help="end every process naming ROOT; exit 1 if one survives")
     s.add_argument("root")
     s.add_argument("--wait", type=float, default=0, help="seconds to let them exit by themselves first")
