@@ -1,8 +1,9 @@
 """End-to-end: the installed-runtime production path on a provisioned one-machine system (mutual TLS).
 
 The runtime wheel is built (``build-runtime``) and installed with ``pip install --no-deps --target``
-into a folder that is the kits' only PYTHONPATH entry (the repo's ``custom/`` is not on it; the
-site and server logs show where ``fedpartial`` was imported from). Kits are provisioned with
+into a folder on the kits' PYTHONPATH; a ``sitecustomize`` hides every source checkout (the
+editable install's ``custom/``), so the kits cannot import ``fedpartial_tools`` and the site and
+server logs show ``fedpartial`` imported from the installed folder. Kits are provisioned with
 ``SitePolicyBuilder(allow_byoc=False)``. Then:
 
 * a job packaged with ``--installed-runtime`` (no ``app/custom``) completes, run by the lead;
@@ -33,6 +34,13 @@ pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:Depre
               pytest.mark.xdist_group("deployment")]
 SITES = ["site-1", "site-2"]
 OTHER_VERSION = "0.0.0.dev7"  # any version but the installed one
+# Loaded by every kit process: drops each source checkout (a folder holding fedpartial_tools, such as
+# the custom/ an editable install puts on sys.path) so only the installed wheel can provide fedpartial.
+HIDE_CHECKOUTS = """
+import os, sys
+sys.path[:] = [p for p in sys.path if not os.path.isdir(os.path.join(p or ".", "fedpartial_tools"))]
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+"""
 OVERRIDES = ["num_rounds=1", "server.min_clients=2", f"model.class_names={json.dumps(CLASSES)}",
              "model.input_size=[16,16]", "model.in_channels=3", "model.arch_args.width=8",
              "rule_args.batch_size=16", "device=cpu"]
@@ -47,8 +55,11 @@ def system(tmp_path_factory):
     runtime = root / "runtime"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
                     str(runtime), wheel], check=True, capture_output=True, timeout=120)
+    hook = root / "hide_checkouts"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HIDE_CHECKOUTS)
     env = deploy.kit_env(str(root))
-    env["PYTHONPATH"] = str(runtime)  # the installed runtime only, not the repo's custom/
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), str(runtime)])  # the installed runtime, no checkout
     data_root = root / "sites"
     data_root.mkdir()
     _write_sites(data_root, np.random.default_rng(0))
@@ -59,7 +70,7 @@ def system(tmp_path_factory):
         project = deploy.localhost_project("fedpartial_rt", deploy.free_port(), SITES,
                                            site_policy={"allow_byoc": False})
         prod = Path(deploy.provision(deploy.write_project(str(root / "project.yml"), project),
-                                     str(root / "provision"), env=env))
+                                     str(root / "provision"), env=deploy.kit_env(str(root))))
         server = prod / "localhost"
         # The coordinating centre's server keeps FLARE's default (byoc allowed): each hospital's
         # site must refuse code on its own policy, whatever the server permits.

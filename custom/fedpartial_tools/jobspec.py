@@ -51,7 +51,7 @@ def derive(name: str, out_dir: str, spec: Optional[Dict[str, dict]] = None, jobs
         base_dir = os.path.join(jobs_dir, entry["base"])
         if entry["base"] in spec:  # a variant of a variant
             base_dir = derive(entry["base"], os.path.join(tmp, entry["base"]), spec, jobs_dir)
-        package_job(base_dir, out_dir, entry["set"], with_code=False, name=name)
+        package_job(base_dir, out_dir, entry["set"], with_code=False, name=name, runtime_version="")
     meta_path = os.path.join(out_dir, "meta.json")
     meta = json.load(open(meta_path))
     meta["description"] = entry["description"]

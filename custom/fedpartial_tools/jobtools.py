@@ -115,7 +115,8 @@ def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_
             runtime installed (``build-runtime``) and ``fedpartial.`` on their class allow-list.
         name: job name in meta.json (default: keep).
         runtime_version: the fedpartial version the job needs (default: this ``fedpartial.__version__``);
-            sites and server with another version installed refuse the job at its start.
+            sites and server with another version installed refuse the job at its start. "" = write
+            none (the folders of ``jobs/``, derived from each other).
     """
     job_dir = os.path.abspath(job_dir)
     if not os.path.isfile(os.path.join(job_dir, "meta.json")):
@@ -130,7 +131,8 @@ def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_
     if data_root is not None:
         sets.insert(0, f"client.data_root={json.dumps(os.path.abspath(data_root))}")
     apply_overrides(configs, sets)
-    set_runtime_version(configs, fedpartial.__version__ if runtime_version is None else runtime_version)
+    if runtime_version != "":
+        set_runtime_version(configs, fedpartial.__version__ if runtime_version is None else runtime_version)
     for side, p in paths.items():
         with open(p, "w") as f:
             f.write(json.dumps(configs[side], indent=2) + "\n")
