@@ -551,7 +551,7 @@ def _cmd_run_job(args):
         session = new_admin_session(args.admin_kit, timeout=args.connect_timeout)
     try:
         result = run_job(session, args.job, args.out, timeout=args.timeout, log=say,
-                         server_dir=args.server_dir or None)
+                         server_dir=args.server_dir or None, check_sites=not args.allow_waiting)
     finally:
         session.close()
     if args.latest_link:  # OUT/latest -> the newest result of this job
@@ -709,6 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--server-dir", default="", help="the server's workspace if on this machine (POC): "
                                                     "progress lines from its metrics.json")
     s.add_argument("--latest-link", action="store_true", help="point OUT/latest at this result")
+    s.add_argument("--allow-waiting", action="store_true",
+                   help="submit even when the job's min_clients exceeds the sites connected now (it waits in "
+                        "SUBMITTED until they connect); refused by default")
     s.add_argument("--json", action="store_true", help="print the result as JSON (progress on stderr)")
     s.set_defaults(func=_cmd_run_job)
     s = sub.add_parser("results", help="where the outputs of a downloaded job are")
