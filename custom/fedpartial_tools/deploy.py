@@ -641,7 +641,7 @@ def _cmd_wait_sites(args):
     import contextlib
 
     started = time.time()
-    with contextlib.redirect_stdout(sys.stderr):  # nvflare's "Connecting to FLARE ..." lines
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # nvflare's "Connecting to FLARE ..."
         session = new_admin_session(kit, timeout=args.timeout)
     try:
         connected = wait_for_clients(session, sites, timeout=max(1.0, args.timeout - (time.time() - started)))
