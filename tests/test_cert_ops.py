@@ -11,7 +11,6 @@ One system (server + site-1) is shared by the module; a finalizer kills every pr
 """
 import datetime
 import json
-import os
 import socket
 import ssl
 import subprocess
