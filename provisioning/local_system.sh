@@ -2,7 +2,8 @@
 # One-machine provisioned system (provisioning/project_localhost.yml): provision, start, stop.
 #
 #   provisioning/local_system.sh provision WORKSPACE [PROJECT_YML]   # default project_localhost.yml
-#   provisioning/local_system.sh start WORKSPACE     # server + every site of the newest prod_NN
+#   provisioning/local_system.sh start WORKSPACE     # server + every site of the newest prod_NN; waits
+#                                                    # (WAIT_SITES s, default 120) until the server lists them
 #   provisioning/local_system.sh stop WORKSPACE      # shutdown via the admin API, then no leftovers
 #
 # The server's job store goes to WORKSPACE/storage. Admin commands afterwards, e.g.:
@@ -24,10 +25,14 @@ case "$ACTION" in
   start)
     PROD="$(prod_dir)"; [[ -n "$PROD" ]] || { echo "error: nothing provisioned in $WS" >&2; exit 2; }
     SERVER="$(dirname "$(dirname "$(ls "$PROD"/*/startup/fed_server.json)")")"
-    "$DIR/start_kit.sh" "$SERVER" --storage "$WS/storage"
-    sleep 3
-    for f in "$PROD"/*/startup/fed_client.json; do "$DIR/start_kit.sh" "$(dirname "$(dirname "$f")")"; done
-    echo "admin kit: $(admin_kit)";;
+    "$PYTHON" -c "import nvflare, torch, monai" \
+      || { echo "error: '$PYTHON' cannot import nvflare, torch and monai; activate the venv or set PYTHON" >&2; exit 2; }
+    "$DIR/start_kit.sh" "$SERVER" --storage "$WS/storage" --no-check
+    for f in "$PROD"/*/startup/fed_client.json; do "$DIR/start_kit.sh" "$(dirname "$(dirname "$f")")" --no-check; done
+    # started is not connected: wait until the server lists every site (admin API)
+    "$PYTHON" -m fedpartial_tools.deploy wait-sites "$PROD" --timeout "${WAIT_SITES:-120}" \
+      || { echo "error: not every site connected; see each kit's log.txt under $PROD" >&2; exit 1; }
+    echo "admin kit: $(admin_kit)  (its user name is the folder name)";;
   stop)
     KIT="$(admin_kit)"
     if [[ -n "$KIT" ]]; then

@@ -2,10 +2,11 @@
 # Start one provisioned server or site kit on this machine, in the background, with the
 # kit's own restart loop (startup/start.sh -> sub_start.sh).
 #
-#   provisioning/start_kit.sh KIT_DIR [--storage DIR]
+#   provisioning/start_kit.sh KIT_DIR [--storage DIR] [--no-check]
 #
 #   --storage DIR   server only: keep the job store and snapshots in DIR instead of the
 #                   default /tmp/nvflare (lost on reboot); writes KIT_DIR/local/resources.json
+#   --no-check      skip the import check of PYTHON (a caller starting several kits checks once)
 #
 # The kit runs "python3" from PATH: PYTHON (default: python3 on PATH, i.e. the active venv) must
 # import nvflare, torch and monai; its folder is put first on PATH. The installed runtime
@@ -17,16 +18,17 @@
 set -euo pipefail
 KIT="${1:?usage: provisioning/start_kit.sh KIT_DIR [--storage DIR]}"; shift
 KIT="$(cd "$KIT" && pwd)"
-STORAGE=""
+STORAGE=""; CHECK=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --storage) STORAGE="$2"; shift 2;;
+    --no-check) CHECK=0; shift;;
     *) echo "error: unknown argument '$1'" >&2; exit 2;;
   esac
 done
 [[ -f "$KIT/startup/sub_start.sh" ]] || { echo "error: '$KIT' is not a server/site kit (no startup/sub_start.sh)" >&2; exit 2; }
 PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
-"$PYTHON" -c "import nvflare, torch, monai" \
+[[ "$CHECK" == 0 ]] || "$PYTHON" -c "import nvflare, torch, monai" \
   || { echo "error: '$PYTHON' cannot import nvflare, torch and monai; activate the venv or set PYTHON" >&2; exit 2; }
 PYTHON="$("$PYTHON" -c 'import sys; print(sys.executable)')"
 export PATH="$(dirname "$PYTHON"):$PATH"

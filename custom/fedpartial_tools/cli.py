@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 
@@ -30,10 +31,24 @@ def _cmd_simulate(args):
 
 
 def _cmd_package(args):
-    from fedpartial_tools.jobtools import package_job
+    from fedpartial_tools.deploy import site_list
+    from fedpartial_tools.jobtools import check_min_clients, dataset_overrides, package_job
 
-    out = package_job(args.job, args.out, args.set, data_root=args.data_root, name=args.name,
+    sets = list(args.set)
+    if args.fit_data or args.fit_data_from:
+        source = args.fit_data_from or args.data_root
+        if not source:
+            raise ValueError("--fit-data reads the site files in --data-root; give --data-root (or --fit-data-from "
+                             "DIR when the sites' folder is not on this machine)")
+        sets = dataset_overrides(source) + sets  # a --set wins
+    out = package_job(args.job, args.out, sets, data_root=args.data_root, name=args.name,
                       with_code=not args.installed_runtime)
+    if args.sites:
+        try:
+            check_min_clients(out, site_list(args.sites))
+        except ValueError:
+            shutil.rmtree(out)
+            raise
     print(out)
 
 
@@ -189,6 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.add_argument("--data-root", default=None, help="absolute folder where every site finds <site>.npz")
     s.add_argument("--name", default=None, help="job name")
+    s.add_argument("--sites", type=int, default=0,
+                   help="number of sites of the deployment: refuse a job whose min_clients is larger (it would "
+                        "wait in SUBMITTED forever); fix with --set min_clients=N")
+    s.add_argument("--fit-data", action="store_true",
+                   help="set the job's model block (class names, task, channels, image size) from the site files "
+                        "in --data-root, as simulate --fit-data does")
+    s.add_argument("--fit-data-from", default=None, metavar="DIR",
+                   help="like --fit-data, reading a local folder of site files (when --data-root is the sites' "
+                        "path on other machines)")
     add_set(s)
     s.set_defaults(func=_cmd_package)
 

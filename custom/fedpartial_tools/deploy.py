@@ -23,6 +23,10 @@ Command line (used by the shell scripts)::
     python -m fedpartial_tools.deploy stop-leftovers ROOT  # end processes naming ROOT; rc 1 if any survive
     python -m fedpartial_tools.deploy build-runtime --out DIR   # DIR/fedpartial_runtime-<version>-py3-none-any.whl
     python -m fedpartial_tools.deploy docker-project provisioning/project.yml --out project_docker.yml
+    python -m fedpartial_tools.deploy wait-sites PROD_DIR [--timeout S]   # until the server lists every site
+    python -m fedpartial_tools.deploy cert-expiry KIT_OR_WORKSPACE [--warn-days 30]  # rc 1 if one is due
+    python -m fedpartial_tools.deploy renew-certs WORKSPACE PROJECT_YML NAME... | all
+    python -m fedpartial_tools.deploy join-ca WORKSPACE PROJECT_YML   # root CA folder for 'nvflare cert approve'
 """
 from __future__ import annotations
 
@@ -48,6 +52,9 @@ TERMINAL_PREFIX = "FINISHED"
 SITE_POLICY_BUILDER = "fedpartial_tools.provision_builders.SitePolicyBuilder"
 # the folder holding fedpartial_tools: on PYTHONPATH for `nvflare provision` (it imports the builder)
 TOOLS_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Root CA validity of the projects provisioned here (as provisioning/project*.yml); FLARE's default is 360
+# days, which also caps every participant's certificate, so renewing a site's kit could not go past it.
+ROOT_VALID_DAYS = 3650
 
 
 def nvflare_cmd() -> List[str]:
@@ -70,7 +77,7 @@ def site_list(num_sites: int) -> List[str]:
 
 def localhost_project(name: str, port: int, sites: Sequence[str], server_name: str = "localhost",
                       admins: Sequence[Sequence[str]] = DEFAULT_ADMINS, site_org: str = "hospital",
-                      site_policy: Optional[dict] = None) -> dict:
+                      site_policy: Optional[dict] = None, root_valid_days: int = ROOT_VALID_DAYS) -> dict:
     """A one-machine project (same layout as ``provisioning/project_localhost.yml``).
 
     Args:
@@ -84,6 +91,8 @@ def localhost_project(name: str, port: int, sites: Sequence[str], server_name: s
         site_policy: args of :class:`fedpartial_tools.provision_builders.SitePolicyBuilder` (e.g.
             ``{"allow_byoc": False}``: installed runtime, no code with jobs); ``None`` = FLARE's default
             policy (byoc jobs allowed, as in POC).
+        root_valid_days: validity of the root CA (only when first created; participants' certificates
+            are valid 360 days, never beyond the root CA).
     """
     server = {"name": server_name, "type": "server", "org": "hospital_a", "fed_learn_port": int(port)}
     if server_name != "localhost":
@@ -96,7 +105,7 @@ def localhost_project(name: str, port: int, sites: Sequence[str], server_name: s
     builders = [
         {"path": "nvflare.lighter.impl.workspace.WorkspaceBuilder", "args": {"template_file": ["master_template.yml"]}},
         {"path": "nvflare.lighter.impl.static_file.StaticFileBuilder", "args": {"config_folder": "config"}},
-        {"path": "nvflare.lighter.impl.cert.CertBuilder"},
+        {"path": "nvflare.lighter.impl.cert.CertBuilder", "args": {"root_valid_days": int(root_valid_days)}},
         {"path": "nvflare.lighter.impl.signature.SignatureBuilder"},
     ]
     if site_policy is not None:
@@ -228,12 +237,33 @@ def admin_username(admin_kit: str) -> str:
     return resolve_admin_user_and_dir_from_startup_kit(admin_kit)[0]
 
 
-def new_admin_session(admin_kit: str, timeout: float = 30.0):
-    """``flare_api.new_secure_session`` for an admin kit folder (``.../prod_00/admin@x.org``)."""
+def new_admin_session(admin_kit: str, timeout: float = 30.0, username: Optional[str] = None):
+    """``flare_api.new_secure_session`` for an admin kit folder (``.../prod_00/admin@x.org``).
+
+    Args:
+        admin_kit: the admin's startup kit folder.
+        timeout: seconds to wait for the login.
+        username: the admin's user name; it must be the kit's (its folder name, the CN of its certificate),
+            which is the default. Another name is refused here with that explanation (FLARE itself only
+            answers "no registration session").
+    """
+    from nvflare.fuel.flare_api.api_spec import NoConnection
     from nvflare.fuel.flare_api.flare_api import new_secure_session
 
-    return new_secure_session(username=admin_username(admin_kit), startup_kit_location=os.path.abspath(admin_kit),
-                              timeout=timeout)
+    if not os.path.isfile(os.path.join(admin_kit, "startup", "fed_admin.json")):
+        raise FileNotFoundError(f"'{admin_kit}' is not an admin startup kit (no startup/fed_admin.json)")
+    kit_user = admin_username(admin_kit)
+    if username and username != kit_user:
+        raise ValueError(f"user name '{username}' does not match the admin kit '{admin_kit}': its user name is "
+                         f"'{kit_user}' (the kit's folder name and the CN of its certificate)")
+    try:
+        return new_secure_session(username=kit_user, startup_kit_location=os.path.abspath(admin_kit), timeout=timeout)
+    except NoConnection as e:
+        cfg = json.load(open(os.path.join(admin_kit, "startup", "fed_admin.json"))).get("admin", {})
+        raise RuntimeError(f"admin '{kit_user}' could not log in to {cfg.get('host')}:{cfg.get('port')} within "
+                           f"{timeout:.0f} s ({e}): is the server running, and is this kit from the same "
+                           f"provisioning as the server (same startup/rootCA.pem) and not expired "
+                           f"('python -m fedpartial_tools.deploy cert-expiry {admin_kit}')?") from e
 
 
 def wait_for_clients(session, names: Sequence[str], timeout: float = 60.0, poll: float = 1.0) -> List[str]:
@@ -249,8 +279,15 @@ def wait_for_clients(session, names: Sequence[str], timeout: float = 60.0, poll:
                        f"(connected: {connected}); see their log.txt")
 
 
+def kit_sites(prod_dir: str) -> List[str]:
+    """Site names of a ``prod_NN`` folder (kits with ``startup/fed_client.json``), in natural order."""
+    names = [os.path.basename(os.path.dirname(os.path.dirname(p)))
+             for p in glob.glob(os.path.join(prod_dir, "*", "startup", "fed_client.json"))]
+    return sorted(names, key=lambda n: (len(n), n))
+
+
 def run_job(session, job_dir: str, out_dir: str, timeout: float = 0.0, poll: float = 2.0,
-            log: Callable[[str], None] = print, server_dir: Optional[str] = None) -> dict:
+            log: Callable[[str], None] = print, server_dir: Optional[str] = None, check_sites: bool = True) -> dict:
     """Submit a job folder, wait until it ends, download the server's result into ``out_dir``.
 
     The one implementation of submit / wait / abort / download: ``poc/run_job.sh`` and the tests
@@ -265,13 +302,20 @@ def run_job(session, job_dir: str, out_dir: str, timeout: float = 0.0, poll: flo
         log: progress printer.
         server_dir: the server's workspace when it is on this machine (POC: ``prod_NN/server``);
             then round k/N, the key metric and time left are logged from its ``<job_id>/metrics.json``.
+        check_sites: refuse (``ValueError``) a job whose ``min_clients`` exceeds the sites the server lists
+            now; it would wait in SUBMITTED without a word.
 
     Returns:
         ``{"job_id", "status", "seconds", "result_dir", **find_results(result_dir)}``.
     """
     from nvflare.fuel.flare_api.api_spec import MonitorReturnCode
 
+    from fedpartial_tools.jobtools import check_min_clients
+
     started = time.time()
+    if check_sites:
+        check_min_clients(job_dir, sorted(c.name for c in session.get_connected_client_list()),
+                          what="the server lists")
     job_id = session.submit_job(os.path.abspath(job_dir))
     log(f"submitted {os.path.basename(job_dir.rstrip('/'))} as job {job_id}; waiting"
         + (f" (timeout {timeout:.0f} s)" if timeout else ""))
@@ -613,7 +657,7 @@ def _cmd_run_job(args):
         session = new_admin_session(args.admin_kit, timeout=args.connect_timeout)
     try:
         result = run_job(session, args.job, args.out, timeout=args.timeout, log=say,
-                         server_dir=args.server_dir or None)
+                         server_dir=args.server_dir or None, check_sites=not args.allow_waiting)
     finally:
         session.close()
     if args.latest_link:  # OUT/latest -> the newest result of this job
@@ -706,6 +750,61 @@ def _cmd_docker_project(args):
 
 def _cmd_build_runtime(args):
     print(build_runtime(args.out))
+def _cmd_wait_sites(args):
+    sites = args.site_names.split(",") if args.site_names else kit_sites(args.prod_dir)
+    if not sites:
+        raise FileNotFoundError(f"no site kit (startup/fed_client.json) in '{args.prod_dir}'")
+    kit = args.admin_kit or next((k for k, r in admin_kits(args.prod_dir).items() if r == "project_admin"), None)
+    if not kit:
+        raise FileNotFoundError(f"no project_admin kit in '{args.prod_dir}'; pass --admin-kit")
+    import contextlib
+
+    started = time.time()
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):  # nvflare's "Connecting to FLARE ..."
+        session = new_admin_session(kit, timeout=args.timeout)
+    try:
+        connected = wait_for_clients(session, sites, timeout=max(1.0, args.timeout - (time.time() - started)))
+    finally:
+        session.close()
+    print(f"server lists all {len(sites)} site(s) after {time.time() - started:.0f} s: {', '.join(connected)}")
+
+
+def _cmd_cert_expiry(args):
+    from fedpartial_tools.certs import expiry_report, format_report
+
+    rows = expiry_report(args.path, args.warn_days)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_report(rows, args.warn_days))
+    if any(r["status"] != "ok" for r in rows):
+        raise SystemExit(1)
+
+
+def _project_name(project_yml: str) -> str:
+    import yaml
+
+    return yaml.safe_load(open(project_yml))["name"]
+
+
+def _cmd_renew_certs(args):
+    from fedpartial_tools.certs import renew
+
+    names = renew(args.workspace, _project_name(args.project), args.names)
+    print(f"new keys and certificates for {', '.join(names)} at the next provisioning of {args.workspace} "
+          f"(same root CA)")
+
+
+def _cmd_join_ca(args):
+    from fedpartial_tools.certs import export_ca_dir
+
+    project = _project_name(args.project)
+    prod = latest_prod_dir(args.workspace, project)
+    servers = glob.glob(os.path.join(prod, "*", "startup", "fed_server.json"))
+    if not servers:
+        raise FileNotFoundError(f"no server kit in '{prod}'")
+    out = export_ca_dir(os.path.abspath(args.workspace), project, os.path.dirname(os.path.dirname(servers[0])))
+    print(json.dumps(out, indent=1))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -729,6 +828,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--server-dir", default="", help="the server's workspace if on this machine (POC): "
                                                     "progress lines from its metrics.json")
     s.add_argument("--latest-link", action="store_true", help="point OUT/latest at this result")
+    s.add_argument("--allow-waiting", action="store_true",
+                   help="submit even when the job's min_clients exceeds the sites connected now (it waits in "
+                        "SUBMITTED until they connect); refused by default")
     s.add_argument("--json", action="store_true", help="print the result as JSON (progress on stderr)")
     s.set_defaults(func=_cmd_run_job)
     s = sub.add_parser("results", help="where the outputs of a downloaded job are")
@@ -776,6 +878,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("root")
     s.add_argument("--wait", type=float, default=0, help="seconds to let them exit by themselves first")
     s.set_defaults(func=_cmd_stop_leftovers)
+    s = sub.add_parser("wait-sites", help="wait until the server lists every site kit of PROD_DIR (admin API)")
+    s.add_argument("prod_dir")
+    s.add_argument("--site-names", default="", help="comma-separated (default: every site kit of PROD_DIR)")
+    s.add_argument("--admin-kit", default="", help="default: the project_admin kit of PROD_DIR")
+    s.add_argument("--timeout", type=float, default=120, help="seconds; exit 2 when a site is still missing")
+    s.set_defaults(func=_cmd_wait_sites)
+    s = sub.add_parser("cert-expiry", help="expiry of every kit's certificate and the root CA; exit 1 when one "
+                                           "is expired or has fewer than --warn-days left")
+    s.add_argument("path", help="a startup kit, a prod_NN folder or a provisioning workspace")
+    s.add_argument("--warn-days", type=float, default=30)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_cmd_cert_expiry)
+    s = sub.add_parser("renew-certs", help="make the next provisioning of WORKSPACE issue new certificates for "
+                                           "NAMES (same root CA); then run provisioning/provision.sh")
+    s.add_argument("workspace")
+    s.add_argument("project", help="the project.yml provisioned into WORKSPACE")
+    s.add_argument("names", nargs="+", help="participant names, or 'all'")
+    s.set_defaults(func=_cmd_renew_certs)
+    s = sub.add_parser("join-ca", help="write WORKSPACE's root CA as 'nvflare cert approve' reads it (-c DIR, "
+                                       "--profile FILE); print both and the root CA fingerprint")
+    s.add_argument("workspace")
+    s.add_argument("project", help="the project.yml provisioned into WORKSPACE")
+    s.set_defaults(func=_cmd_join_ca)
     return p
 
 

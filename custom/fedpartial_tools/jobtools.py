@@ -161,6 +161,22 @@ def set_runtime_version(configs: Dict[str, dict], version: str) -> int:
                 comp.setdefault("args", {})["runtime_version"] = str(version)
                 found += 1
     return found
+def check_min_clients(job_dir: str, sites: Sequence[str], what: str = "the deployment has") -> int:
+    """Refuse a job whose ``min_clients`` exceeds the sites there are: FLARE would keep it SUBMITTED,
+    silently, until that many sites connect. Returns the job's ``min_clients``.
+
+    Args:
+        job_dir: a packaged job (``meta.json``).
+        sites: the site names the job can run on.
+        what: how the message introduces ``sites`` (e.g. "the server lists").
+    """
+    meta_path = os.path.join(job_dir, "meta.json")
+    need = int(json.load(open(meta_path)).get("min_clients", 1))
+    if need > len(sites):
+        raise ValueError(f"job '{job_dir}' needs min_clients={need} but {what} {len(sites)} site(s) "
+                         f"({', '.join(sites) or 'none'}): FLARE would keep it SUBMITTED until {need} sites connect. "
+                         f"Package it with --set min_clients={len(sites)} (or start / add the missing sites)")
+    return need
 
 
 # Not shipped: the ``python -m fedpartial`` entry point, a shim onto fedpartial_tools.cli.
