@@ -10,7 +10,9 @@ from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext,
 from fedpartial.algorithms.fedmlp import (FedMLPClient, FedMLPServer, average_prototypes, class_prototypes,
                                           consistency_loss, global_learning_degree, learning_degree, logit_adjustment,
                                           loss_entries, positive_rates, positive_tag_budget, prototype_scores,
-                                          select_tags, wpc_loss, class_prevalence)
+                                          select_tags, wpc_loss, class_prevalence, prior_rates, prototype_sources,
+                                          warmup_complete, PAPER_CLIENT, PAPER_SERVER, RELEASED_CODE_CLIENT)
+from fedpartial.algorithms import fedmlp
 from fedpartial.data.types import DataError, Dataset, Split
 from fedpartial.models import build_model
 from fedpartial.training.common import predict
@@ -438,3 +440,118 @@ def test_client_rejects_wrong_data_and_foreign_tags(tmp_path):
         _client().setup(_ctx(tmp_path, other))
     with pytest.raises(ValueError, match="warmup_rounds"):
         FedMLPClient(warmup_rounds=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# options where the paper, the released code and ours differ
+# ---------------------------------------------------------------------------------------------
+
+def test_warmup_complete_is_decided_by_the_least_learned_annotated_class():
+    degree = np.array([0.95, 0.6, 0.99])
+    # classes 0, 1 annotated somewhere: the least degree is 0.6 < 0.9
+    assert warmup_complete(degree, np.array([True, True, False]), 0.9) == (False, 0.6)
+    # class 1 annotated nowhere: 0.95 is the least, warm-up may end
+    assert warmup_complete(degree, np.array([True, False, True]), 0.9) == (True, 0.95)
+    assert warmup_complete(degree, np.zeros(3, bool), 0.9) == (False, 0.0)
+
+
+def test_prior_rates_take_the_annotated_frequency_for_classes_the_site_does_not_annotate():
+    local = np.array([0.5, 0.2, 0.5, 0.45])  # class 0: tags only (rank rule), class 1 annotated here
+    annotated = np.array([False, True, False, False])
+    prevalence = np.array([0.03, 0.4, -1.0, 0.1])  # class 2 unknown at the server
+    np.testing.assert_allclose(prior_rates(local, annotated, prevalence), [0.03, 0.2, 0.5, 0.1])
+    np.testing.assert_allclose(prior_rates(local, annotated, None), local)
+    # the logit offset of class 0 moves from log(0.5/0.5) = 0 to log(0.03/0.97) = -3.476
+    offset = logit_adjustment(torch.tensor(prior_rates(local, annotated, prevalence)))
+    assert float(offset[0]) == pytest.approx(math.log(0.03 / 0.97), abs=1e-5)
+
+
+def test_prototype_sources_name_the_sites_whose_prototype_is_missing():
+    counts = [np.array([3, 10]), np.array([0, 7]), np.array([8, 0])]
+    annotated = [np.array([True, True]), np.array([True, True]), np.array([True, False])]
+    # class 0: site-c's 8 samples pass k = 5, site-a's 3 do not, site-b withheld (0); class 1: all sent
+    assert prototype_sources(counts, annotated, ["site-a", "site-b", "site-c"], 5) == {
+        0: {"used": ["site-c"], "missing": ["site-a", "site-b"]}}
+    assert prototype_sources(counts, annotated, ["site-a", "site-b", "site-c"], 1) == {
+        0: {"used": ["site-a", "site-c"], "missing": ["site-b"]}}
+
+
+def test_server_averages_over_the_sites_that_sent_a_prototype_and_reports_the_others():
+    updates = _three_sites()
+    # as the privacy filter leaves it: site-B withheld its class-0 positive prototype (row and count 0)
+    updates[1].stats["prototypes_pos"][0] = 0.0
+    updates[1].stats["prototype_counts_pos"][0] = 0.0
+    logs = []
+    ctx = _server_ctx()
+    ctx.log = logs.append
+    _, gs = FedMLPServer().aggregate(updates, ctx)
+    np.testing.assert_allclose(gs["prototypes_pos"][0], [0.0, 1.0])  # site-A's (0, 1) alone, not (0,1)*10/40
+    assert gs["prototype_valid"][0]
+    assert ctx.report["prototypes_missing_pos"] == {"0": ["site-B"]}
+    assert ctx.report["prototype_invalid_classes"] == [2]
+    assert any("class 0 pos prototype averaged over sites ['site-A'] only" in m and "site-B" in m for m in logs)
+
+
+def test_server_announces_stage_2_once_every_annotated_class_is_learned():
+    updates = _three_sites()  # d^G = [0.5, 0.72, 0]; class 2 annotated nowhere
+    ctx = _server_ctx()
+    _, gs = FedMLPServer(warmup_end="learning_degree", warmup_degree=0.7).aggregate(updates, ctx)
+    assert gs["stage"] == 1 and ctx.report["warmup_least_degree"] == pytest.approx(0.5)
+    assert "prototypes_neg" in gs  # sent anyway: a client past warmup_rounds tags with them
+    _, gs = FedMLPServer(warmup_end="learning_degree", warmup_degree=0.5).aggregate(updates, _server_ctx())
+    assert gs["stage"] == 2
+    ctx = _server_ctx()
+    ctx.global_stats = {"stage": 2}  # once announced, stage 2 stays
+    _, gs = FedMLPServer(warmup_end="learning_degree", warmup_degree=0.99).aggregate(updates, ctx)
+    assert gs["stage"] == 2 and "warmup_least_degree" not in ctx.report
+    _, gs = FedMLPServer(warmup_degree=0.99).aggregate(updates, _server_ctx())  # paper: rounds decide
+    assert gs["stage"] == 2
+
+
+def test_client_stage_follows_the_server_only_with_the_learning_degree_end():
+    adaptive = FedMLPClient(warmup_rounds=5, warmup_end="learning_degree", min_warmup_rounds=2)
+    assert [adaptive.sends_stats(r) for r in range(3)] == [False, True, True]
+    assert adaptive.stage(1, {"stage": 2}) == 2 and adaptive.stage(1, {"stage": 1}) == 1
+    assert adaptive.stage(5, {}) == 2  # warmup_rounds is the latest end
+    fixed = FedMLPClient(warmup_rounds=5)
+    assert fixed.stage(1, {"stage": 2}) == 1 and fixed.stage(5) == 2
+    assert [fixed.sends_stats(r) for r in (3, 4)] == [False, True]
+    with pytest.raises(ValueError, match="min_warmup_rounds"):
+        FedMLPClient(warmup_rounds=5, min_warmup_rounds=6)
+    with pytest.raises(ValueError, match="warmup_end"):
+        FedMLPClient(warmup_end="loss")
+    with pytest.raises(ValueError, match="la_prior"):
+        FedMLPClient(la_prior="global")
+
+
+def test_consistency_in_warmup_as_the_released_code(tmp_path):
+    data, _ = _site_data()
+    paper = _client(**PAPER_CLIENT)
+    paper.setup(_ctx(tmp_path / "paper", data))
+    released = _client(**{**PAPER_CLIENT, **RELEASED_CODE_CLIENT})
+    released.setup(_ctx(tmp_path / "released", data))
+    model = _model()
+    r_paper = paper.train_round(model, RoundInput(round=0, num_rounds=4))
+    r_released = released.train_round(_model(), RoundInput(round=0, num_rounds=4))
+    assert r_paper.metrics["stage"] == r_released.metrics["stage"] == 1
+    assert r_paper.metrics["loss_cr"] == 0.0 and r_released.metrics["loss_cr"] > 0.0
+
+
+def test_la_prior_reaches_the_wpc_offset(tmp_path, monkeypatch):
+    data, _ = _site_data(annotated=(0,))
+    seen = []
+    real = fedmlp.logit_adjustment
+    monkeypatch.setattr(fedmlp, "logit_adjustment", lambda rates, *a: seen.append(rates.tolist()) or real(rates, *a))
+    client = _client(la_prior="annotated_frequency", use_mld=False)
+    client.setup(_ctx(tmp_path, data))
+    prevalence = np.array([0.9, 0.05, -1.0])
+    client.train_round(_model(), RoundInput(round=2, num_rounds=4, global_stats={"stage": 2, "prevalence": prevalence}))
+    local = float(data.splits["train"].labels[:, 0].mean())  # class 0 annotated here: its own rate
+    assert seen[0] == pytest.approx([local, 0.05, 0.5])
+
+
+def test_paper_profile_holds_the_paper_values():
+    assert PAPER_SERVER["t0"] == 0.005 and PAPER_SERVER["t1"] == 0.01
+    server, client = FedMLPServer(**PAPER_SERVER), FedMLPClient(**PAPER_CLIENT)
+    assert (server.warmup_end, client.warmup_end, client.la_prior, client.cr_in_warmup) == (
+        "rounds", "rounds", "local", False)

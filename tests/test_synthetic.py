@@ -115,3 +115,24 @@ def test_acquisition_shift_numbers_worked_by_hand():
     assert not np.array_equal(acquisition_shift(x, seed=3), acquisition_shift(x, seed=4))
     with pytest.raises(ValueError, match="uint8"):
         acquisition_shift(x.astype(np.float32))
+
+
+def test_premise_multilabel_draws_each_class_at_its_prevalence_with_shapes_near_the_noise():
+    from fedpartial_tools.synthetic import PREMISE_PREVALENCE, make_premise_multilabel, make_premise_multilabel_rare
+
+    data = make_premise_multilabel(n_train=4000, n_val=10, n_test=10, seed=1)
+    train = data.splits["train"]
+    assert data.task == "multi-label" and train.images.shape == (4000, 32, 32) and train.images.dtype == np.uint8
+    # binomial std at p = 0.45, n = 4000 is 0.008: 0.03 is > 3 std
+    np.testing.assert_allclose(train.labels.mean(0), PREMISE_PREVALENCE, atol=0.03)
+    # an image with no class holds only background (0.5 -> 127.5), noise and distractors: its mean
+    # brightness sits within the distractors' ink (2 x 13 px x 0.35 / 1024 px x 255 = 2.2 grey levels)
+    empty = train.images[train.labels.sum(1) == 0].astype(np.float64)
+    assert abs(empty.mean() - 127.5 - 2.2) < 1.0
+    # the noise std (0.15 x 255 = 38) dominates the shapes' amplitude (0.35 x 255 = 89) per pixel
+    # only by 2.3x: amplitude near the noise
+    assert 36 < float(np.median(empty.std(axis=(1, 2)))) < 44
+    rare = make_premise_multilabel_rare(n_train=4000, n_val=10, n_test=10, seed=1)
+    np.testing.assert_allclose(rare.splits["train"].labels.mean(0), np.array(PREMISE_PREVALENCE) * 0.1, atol=0.01)
+    with pytest.raises(ValueError, match="prevalence"):
+        make_premise_multilabel(prevalence=[0.2, 1.2])

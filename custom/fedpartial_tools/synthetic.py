@@ -147,6 +147,83 @@ def make_small_lesions(n_train: int = 240, n_val: int = 40, n_test: int = 80, si
     return Dataset(SEGMENTATION, ["lesion"], splits, source="synthetic small lesions")
 
 
+#: 7 x 7 class patterns of :func:`make_premise_multilabel` (1 = stroke): plus, ring, diagonal,
+#: X, two bars. Distinct shapes of equal ink, so no class is found by brightness alone.
+_PREMISE_SHAPES = (
+    ["...#...", "...#...", "...#...", "#######", "...#...", "...#...", "...#..."],
+    ["#######", "#.....#", "#.....#", "#.....#", "#.....#", "#.....#", "#######"],
+    ["#......", ".#.....", "..#....", "...#...", "....#..", ".....#.", "......#"],
+    ["#.....#", ".#...#.", "..#.#..", "...#...", "..#.#..", ".#...#.", "#.....#"],
+    [".......", "#######", ".......", ".......", ".......", "#######", "......."],
+)
+#: class prevalence of the ``fedmlp-premise`` suites: the paper's ICH / ChestX-ray14 range (13-23 %)
+#: and above, one value per class
+PREMISE_PREVALENCE = (0.15, 0.225, 0.3, 0.375, 0.45)
+
+
+def make_premise_multilabel(n_train: int = 3000, n_val: int = 500, n_test: int = 3000, size: int = 32,
+                            prevalence=PREMISE_PREVALENCE, amplitude: float = 0.35, noise: float = 0.15,
+                            distractors: int = 2, seed: int = 0) -> Dataset:
+    """Multi-label images where FedMLP's premise holds: each class is a small shape at a random
+    position, drawn at an amplitude near the noise, among distractor patches that belong to no
+    class; classes are independent with a prevalence per class. Hiding a class from a site then
+    turns its positives into negatives that a long training memorises (label noise).
+
+    Args:
+        n_train / n_val / n_test: split sizes (the default test set holds >= 375 positives of a
+            class at prevalence 0.15).
+        size: image side in pixels.
+        prevalence: one probability per class (its length is the number of classes, at most 5).
+        amplitude: stroke brightness of a shape (image scale 0..1, background 0.5).
+        noise: std of the per-pixel Gaussian noise (same scale).
+        distractors: random 7 x 7 patches of the same ink per image (no class).
+        seed: random seed.
+    """
+    prevalence = np.asarray(prevalence, dtype=np.float64)
+    if prevalence.ndim != 1 or not 1 <= len(prevalence) <= len(_PREMISE_SHAPES):
+        raise ValueError(f"prevalence needs 1..{len(_PREMISE_SHAPES)} values, got {prevalence.tolist()}")
+    if not ((prevalence > 0) & (prevalence < 1)).all():
+        raise ValueError(f"each prevalence must lie in (0, 1), got {prevalence.tolist()}")
+    if size < 14:
+        raise ValueError(f"size must be >= 14 px for 7 px shapes, got {size}")
+    shapes = np.array([[[ch == "#" for ch in row] for row in shape] for shape in _PREMISE_SHAPES[:len(prevalence)]],
+                      dtype=np.float32)
+    ink = int(shapes[0].sum())
+    rng = np.random.default_rng(seed)
+    splits, start = {}, 0
+    for name, n in (("train", n_train), ("val", n_val), ("test", n_test)):
+        labels = (rng.random((n, len(prevalence))) < prevalence).astype(np.float32)
+        images = np.full((n, size, size), 0.5, dtype=np.float32)
+        for i in range(n):
+            patches = [shapes[c] for c in np.flatnonzero(labels[i])]
+            for _ in range(distractors):  # as much ink as a shape, scattered: no class's form
+                patch = np.zeros(49, np.float32)
+                patch[rng.choice(49, ink, replace=False)] = 1.0
+                patches.append(patch.reshape(7, 7))
+            for patch in patches:
+                y, x = rng.integers(0, size - 7 + 1, 2)
+                images[i, y:y + 7, x:x + 7] += amplitude * patch
+        images += rng.normal(0.0, noise, images.shape).astype(np.float32)
+        ids = np.array([f"premise{start + i:06d}" for i in range(n)])
+        splits[name] = Split(np.clip(images * 255, 0, 255).astype(np.uint8), labels, np.ones_like(labels, bool), ids,
+                             np.arange(start, start + n))
+        start += n
+    return Dataset(MULTI_LABEL, [f"shape_{c}" for c in range(len(prevalence))], splits,
+                   source=f"synthetic premise multi-label (prevalence {prevalence.tolist()})")
+
+
+def make_premise_multilabel_rare(seed: int = 0, **kwargs) -> Dataset:
+    """:func:`make_premise_multilabel` with every prevalence x 0.1 (1.5-4.5 %, as CT-ICH's subtypes)
+    and a test set 10 x larger, so each class still has about as many test positives.
+
+    Args:
+        seed: random seed.
+        kwargs: other arguments of :func:`make_premise_multilabel`.
+    """
+    kwargs.setdefault("n_test", 30000)
+    return make_premise_multilabel(prevalence=tuple(p * 0.1 for p in PREMISE_PREVALENCE), seed=seed, **kwargs)
+
+
 def acquisition_shift(images: np.ndarray, channel_gain=(1.12, 0.96, 0.82), gamma: float = 0.8,
                       contrast: float = 0.8, blur_sigma: float = 0.6, noise_std: float = 4.0,
                       seed: int = 0) -> np.ndarray:

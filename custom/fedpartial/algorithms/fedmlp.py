@@ -63,6 +63,25 @@ Departures from the paper:
     * By default each site's result filter withholds a class's prototype computed from fewer
       than 5 samples (``StatisticsPrivacyFilter``, preset ``fedmlp``, ``min_count`` 5 in the jobs;
       a one-sample prototype is that image's feature vector); the paper sends every prototype.
+      A class whose prototype some annotating sites withhold is averaged over the sites that sent
+      it; the server logs those sites and writes them to the round's ``server`` entry of
+      metrics.json (``prototypes_missing_pos`` / ``_neg``), and a class no site sent is reported
+      as invalid (``prototype_invalid_classes``) and not tagged.
+
+Whose choice each option is (``PAPER_CLIENT`` / ``PAPER_SERVER`` hold the paper's values):
+
+=================================  ================================  ==================================
+option                             paper                             released code / ours
+=================================  ================================  ==================================
+``warmup_end``                     ``rounds`` (fixed t1)             ours: ``learning_degree``
+``cr_in_warmup``                   False (CR in stage 2)             released code: True (missing classes)
+``la_prior``                       ``local`` (rates of used entries, ours: ``annotated_frequency``
+                                   tags included)
+``t0`` / ``t1`` (server)           0.005 / 0.01                      CPU jobs: 0.05 / 0.1 (job meta.json)
+``positive_tag_cap``               ``none``                          ours: ``prevalence``
+``classifier_rows`` (server)       ``fedavg``                        ours: ``annotated``
+``assumed_negative_weight``        0                                 ours: up to 1
+=================================  ================================  ==================================
 """
 from __future__ import annotations
 
@@ -87,6 +106,24 @@ POSITIVE_TAG_CAPS = ("none", "prevalence")
 
 #: ``classifier_rows`` choices of the server: FedAvg (paper) or averaged over the annotating sites
 CLASSIFIER_ROWS = ("fedavg", "annotated")
+
+#: ``warmup_end`` choices: a fixed number of rounds (paper t1) or when the model has learned the
+#: annotated classes (global learning degree, ours)
+WARMUP_ENDS = ("rounds", "learning_degree")
+
+#: ``la_prior`` choices: the positive rate of the entries the loss uses (paper Eq. 3, local) or, for
+#: a class the site does not annotate, its annotated frequency at the sites that do (ours)
+LA_PRIORS = ("local", "annotated_frequency")
+
+#: The paper's choice for every option where this module offers another (Sec. 2-3, Algorithm 1):
+#: ``FedMLPClient(**PAPER_CLIENT)``, ``FedMLPServer(**PAPER_SERVER)``; with the paper's schedule
+#: (500 rounds, t1 = 50, lr 3e-5, ResNet-18) on top, see README "the paper's setting".
+PAPER_CLIENT = {"warmup_end": "rounds", "cr_in_warmup": False, "la_prior": "local", "positive_tag_cap": "none",
+                "assumed_negative_weight": 0.0}
+PAPER_SERVER = {"t0": 0.005, "t1": 0.01, "warmup_end": "rounds", "classifier_rows": "fedavg",
+                "min_prototype_samples": 1}
+#: Where the released code (github.com/szbonaldo/FedMLP) differs from the paper and we offer its choice
+RELEASED_CODE_CLIENT = {"cr_in_warmup": True}
 
 #: keys of the per-site statistics (sent from the end of warm-up on)
 STAT_KEYS = ("prototypes_neg", "prototypes_pos", "prototype_counts_neg", "prototype_counts_pos", "learning_degree",
@@ -341,6 +378,73 @@ def global_learning_degree(degrees: List[np.ndarray], annotated: List[np.ndarray
     return np.where(total > 0, (w * d).sum(0) / np.where(total > 0, total, 1.0), 0.0)
 
 
+def warmup_complete(global_degree: np.ndarray, annotated_somewhere: np.ndarray, threshold: float
+                    ) -> Tuple[bool, float]:
+    """Whether warm-up may end: every class that some site annotates has a global learning
+    degree d_c^G of at least ``threshold`` (the least-learned class decides, so a rare class whose
+    degree is near 1 from the start cannot end warm-up for a common class still being learned).
+
+    Args:
+        global_degree: ``(C,)`` d_c^G from :func:`global_learning_degree`.
+        annotated_somewhere: ``(C,)`` bool, classes with at least one annotating site.
+        threshold: the degree every such class must reach (0..1).
+
+    Returns:
+        ``(complete, least degree)``; ``(False, 0.0)`` when no class is annotated anywhere.
+    """
+    known = np.asarray(annotated_somewhere, dtype=bool)
+    if not known.any():
+        return False, 0.0
+    least = float(np.min(np.asarray(global_degree, dtype=np.float64)[known]))
+    return least >= float(threshold), least
+
+
+def prior_rates(local_rates: np.ndarray, annotated: np.ndarray, prevalence: Optional[np.ndarray]) -> np.ndarray:
+    """Positive rates pi_c,1 for the logit adjustment with ``la_prior="annotated_frequency"``: a
+    class the site annotates keeps its local rate; a class it does not annotate takes its
+    annotated frequency at the sites that do (the server's ``prevalence``), not the rate of its
+    tags, which the rank rule sets rather than the data. Unknown prevalence (< 0 or absent) keeps
+    the local rate.
+
+    Args:
+        local_rates: ``(C,)`` from :func:`positive_rates` over the annotated + tagged entries.
+        annotated: ``(C,)`` bool, classes this site annotates.
+        prevalence: ``(C,)`` from :func:`class_prevalence`, or None.
+    """
+    rates = np.asarray(local_rates, dtype=np.float64).copy()
+    if prevalence is None:
+        return rates
+    prevalence = np.asarray(prevalence, dtype=np.float64)
+    use = ~np.asarray(annotated, dtype=bool) & np.isfinite(prevalence) & (prevalence >= 0)
+    rates[use] = prevalence[use]
+    return rates
+
+
+def prototype_sources(counts: List[np.ndarray], annotated: List[np.ndarray], sites: List[str], min_samples: int = 1
+                      ) -> Dict[int, Dict[str, List[str]]]:
+    """Per class, which annotating sites' prototypes enter the global one and which do not (a
+    count below ``min_samples``: too few samples, or a row the site's privacy filter withheld).
+
+    Args:
+        counts: per site ``(C,)`` samples behind each prototype (0 where withheld).
+        annotated: per site ``(C,)`` bool.
+        sites: the sites' names, in the same order.
+        min_samples: the server's ``min_prototype_samples``.
+
+    Returns:
+        ``{class index: {"used": [...], "missing": [...]}}`` for the classes with at least one
+        annotating site whose prototype is missing.
+    """
+    out: Dict[int, Dict[str, List[str]]] = {}
+    num_classes = len(np.asarray(counts[0])) if counts else 0
+    for c in range(num_classes):
+        used = [s for s, n, a in zip(sites, counts, annotated) if a[c] and float(n[c]) >= max(min_samples, 1)]
+        missing = [s for s, n, a in zip(sites, counts, annotated) if a[c] and float(n[c]) < max(min_samples, 1)]
+        if missing:
+            out[c] = {"used": used, "missing": missing}
+    return out
+
+
 def annotated_rows(updates: List[SiteUpdate], classifier_names: List[str]) -> Dict[str, np.ndarray]:
     """Classifier parameters averaged row by row over the sites that annotate each class, each
     weighted by its size (FedLSM's AWPA with the annotated entries as counts); a class annotated
@@ -439,6 +543,17 @@ class FedMLPClient(ClientRule):
         assumed_negative_weight: weight of the still-untagged missing entries as negatives in the
             WPC term (0 = the paper: they are left out; 1 = as FedAvg on partial labels counts
             them). The logit adjustment keeps its rates from the annotated + tagged entries.
+        warmup_end: ``rounds`` (paper: stage 2 from round ``warmup_rounds``) or ``learning_degree``
+            (ours: stage 2 from the round after the server finds every annotated class learned,
+            see :func:`warmup_complete`, and at ``warmup_rounds`` at the latest).
+        min_warmup_rounds: with ``warmup_end="learning_degree"``, the first round whose
+            statistics may end warm-up is ``min_warmup_rounds - 1`` (sites send prototypes and
+            learning degrees from then on, one extra no-gradient pass per round).
+        cr_in_warmup: consistency with the received global model on the missing entries during
+            warm-up too (the released code does; the paper's Algorithm 1 only in stage 2).
+        la_prior: ``local`` (paper Eq. 3: positive rate of the entries the loss uses, tags
+            included) or ``annotated_frequency`` (a class the site does not annotate takes its
+            annotated frequency at the annotating sites, see :func:`prior_rates`).
     """
 
     task_kind = "classification"
@@ -449,7 +564,8 @@ class FedMLPClient(ClientRule):
                  la_eps: float = 1e-3, cr_weight: float = 1.0, use_mld: bool = True, use_wpc: bool = True,
                  use_cr: bool = True, use_adaptive_threshold: bool = True, prediction_batch_size: int = 256,
                  positive_tag_cap: str = "none", positive_tag_scale: float = 1.0,
-                 assumed_negative_weight: float = 0.0):
+                 assumed_negative_weight: float = 0.0, warmup_end: str = "rounds", min_warmup_rounds: int = 1,
+                 cr_in_warmup: bool = False, la_prior: str = "local"):
         if int(warmup_rounds) < 1:
             raise ValueError(f"FedMLP warmup_rounds must be >= 1 (prototypes come from a warmed-up model), "
                              f"got {warmup_rounds}")
@@ -476,6 +592,15 @@ class FedMLPClient(ClientRule):
         if not 0.0 <= float(assumed_negative_weight) <= 1.0:
             raise ValueError(f"FedMLP assumed_negative_weight must lie in [0, 1], got {assumed_negative_weight}")
         self.assumed_negative_weight = float(assumed_negative_weight)
+        if warmup_end not in WARMUP_ENDS:
+            raise ValueError(f"FedMLP warmup_end '{warmup_end}' unknown; choose one of {WARMUP_ENDS}")
+        if not 1 <= int(min_warmup_rounds) <= self.warmup_rounds:
+            raise ValueError(f"FedMLP min_warmup_rounds must lie in [1, warmup_rounds={self.warmup_rounds}], "
+                             f"got {min_warmup_rounds}")
+        if la_prior not in LA_PRIORS:
+            raise ValueError(f"FedMLP la_prior '{la_prior}' unknown; choose one of {LA_PRIORS}")
+        self.warmup_end, self.min_warmup_rounds = warmup_end, int(min_warmup_rounds)
+        self.cr_in_warmup, self.la_prior = bool(cr_in_warmup), la_prior
 
     # -- set-up and persistent state -------------------------------------------------------------
     def setup(self, ctx) -> None:
@@ -503,13 +628,20 @@ class FedMLPClient(ClientRule):
         if not self.annotated.any():
             ctx.log(f"FedMLP: site '{ctx.site}' annotates no class; it trains with consistency only")
 
-    def stage(self, round_index: int) -> int:
-        """1 during warm-up (rounds ``0 .. warmup_rounds-1``), 2 after."""
-        return 1 if round_index < self.warmup_rounds else 2
+    def stage(self, round_index: int, global_stats: Optional[Dict] = None) -> int:
+        """2 from round ``warmup_rounds`` on, and with ``warmup_end="learning_degree"`` also once
+        the server's statistics say stage 2; 1 before."""
+        if round_index >= self.warmup_rounds:
+            return 2
+        if self.warmup_end == "learning_degree" and int((global_stats or {}).get("stage", 1)) == 2:
+            return 2
+        return 1
 
     def sends_stats(self, round_index: int) -> bool:
-        """Prototypes / learning degrees are sent from the last warm-up round on (Algorithm 1)."""
-        return round_index >= self.warmup_rounds - 1
+        """Prototypes / learning degrees are sent from the last warm-up round on (Algorithm 1), or
+        from round ``min_warmup_rounds - 1`` on when the learning degree may end warm-up."""
+        first = self.min_warmup_rounds if self.warmup_end == "learning_degree" else self.warmup_rounds
+        return round_index >= first - 1
 
     def _augment(self, x: torch.Tensor) -> torch.Tensor:
         if self.augmentation == "weak":
@@ -580,7 +712,7 @@ class FedMLPClient(ClientRule):
     # -- one round --------------------------------------------------------------------------------
     def train_round(self, model, inp: RoundInput) -> RoundResult:
         n, c = self.mask_np.shape
-        stage = self.stage(inp.round)
+        stage = self.stage(inp.round, inp.global_stats)
         if n == 0:
             self.ctx.log(f"FedMLP: site '{self.ctx.site}' has no training image; it takes no part in the round")
             return RoundResult(num_samples=0, metrics={"stage": float(stage)})
@@ -597,7 +729,7 @@ class FedMLPClient(ClientRule):
         if stage == 2 and self.use_mld:
             new_neg, new_pos = self._tag(model, inp)
         teacher = None
-        if stage == 2 and self.use_cr:
+        if self.use_cr and (stage == 2 or self.cr_in_warmup):
             teacher = copy.deepcopy(model).eval()  # the received global model
             for p in teacher.parameters():
                 p.requires_grad_(False)
@@ -608,7 +740,11 @@ class FedMLPClient(ClientRule):
         targets, loss_weights, cr_mask = (torch.from_numpy(a) for a in (targets_np, weights_np, cr_np))
         offset = None
         if self.use_wpc:  # rates from the annotated + tagged entries only, never the assumed negatives
-            offset = logit_adjustment(positive_rates(targets, 1.0 - cr_mask), self.la_tau, self.la_eps)
+            rates = positive_rates(targets, 1.0 - cr_mask)
+            if self.la_prior == "annotated_frequency":
+                prevalence = (inp.global_stats or {}).get("prevalence")
+                rates = torch.from_numpy(prior_rates(rates.numpy(), self.annotated, prevalence)).float()
+            offset = logit_adjustment(rates, self.la_tau, self.la_eps)
 
         optimizer = torch.optim.Adam(model.parameters(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
         model.train()
@@ -682,12 +818,17 @@ class FedMLPServer(ServerRule):
             ``annotated`` (FedLSM's class-wise row averaging, :func:`fedpartial.algorithms.fedlsm.awpa_rows`,
             over the sites whose ground truth trains the class, weighted by their size; a class
             annotated nowhere keeps FedAvg). Needs the sites' ``annotated_classes``.
+        warmup_end: ``rounds`` (paper: the statistics always announce stage 2; the clients'
+            ``warmup_rounds`` decides) or ``learning_degree`` (stage 2 is announced from the first
+            round whose statistics pass :func:`warmup_complete`, and kept). Set it as the clients'.
+        warmup_degree: with ``learning_degree``, the global learning degree every annotated class
+            must reach.
     """
 
     needs_classifier_names = True
 
     def __init__(self, t0: float = 0.005, t1: float = 0.01, min_prototype_samples: int = 1,
-                 classifier_rows: str = "fedavg"):
+                 classifier_rows: str = "fedavg", warmup_end: str = "rounds", warmup_degree: float = 0.9):
         for name, v in (("t0", t0), ("t1", t1)):
             if not 0.0 <= float(v) <= 1.0:
                 raise ValueError(f"FedMLP {name} must be a fraction in [0, 1], got {v}")
@@ -697,6 +838,11 @@ class FedMLPServer(ServerRule):
             raise ValueError(f"FedMLP classifier_rows '{classifier_rows}' unknown; choose one of {CLASSIFIER_ROWS}")
         self.t0, self.t1, self.min_prototype_samples = float(t0), float(t1), int(min_prototype_samples)
         self.classifier_rows = classifier_rows
+        if warmup_end not in WARMUP_ENDS:
+            raise ValueError(f"FedMLP warmup_end '{warmup_end}' unknown; choose one of {WARMUP_ENDS}")
+        if not 0.0 <= float(warmup_degree) <= 1.0:
+            raise ValueError(f"FedMLP warmup_degree must lie in [0, 1], got {warmup_degree}")
+        self.warmup_end, self.warmup_degree = warmup_end, float(warmup_degree)
 
     @staticmethod
     def _expected_shape(ctx: ServerContext) -> Tuple[Optional[int], Optional[int]]:
@@ -772,12 +918,32 @@ class FedMLPServer(ServerRule):
         degree = global_learning_degree([u.stats["learning_degree"] for u in with_stats], annotated, sizes)
         prevalence = class_prevalence([u.stats["prototype_counts_pos"] for u in with_stats],
                                       [u.stats["prototype_counts_neg"] for u in with_stats], annotated)
+        sites = [u.site for u in with_stats]
+        partial = {side: prototype_sources(counts, annotated, sites, self.min_prototype_samples)
+                   for side, counts in (("pos", counts_pos), ("neg", counts_neg))}
+        for side, classes in partial.items():
+            for c, where in classes.items():
+                ctx.log(f"FedMLP round {ctx.round}: class {c} {side} prototype averaged over sites {where['used']} "
+                        f"only; sites {where['missing']} annotate it but sent none from >= "
+                        f"{self.min_prototype_samples} samples (too few, or withheld by their privacy filter)")
+            if classes:
+                ctx.report[f"prototypes_missing_{side}"] = {str(c): w["missing"] for c, w in classes.items()}
         invalid = [int(j) for j in np.flatnonzero(~valid)]
         if invalid:
             ctx.log(f"FedMLP round {ctx.round}: no valid global prototype pair for classes {invalid}; "
                     "sites skip tagging them")
+            ctx.report["prototype_invalid_classes"] = invalid
+        stage = 2
+        if self.warmup_end == "learning_degree" and int((ctx.global_stats or {}).get("stage", 1)) != 2:
+            annotated_somewhere = np.any(np.stack(annotated), axis=0)
+            complete, least = warmup_complete(degree, annotated_somewhere, self.warmup_degree)
+            ctx.report["warmup_least_degree"] = least
+            stage = 2 if complete else 1
+            ctx.log(f"FedMLP round {ctx.round}: least global learning degree {least:.3f} "
+                    f"({'>=' if complete else '<'} {self.warmup_degree}): "
+                    + ("stage 2 from the next round" if complete else "warm-up goes on"))
         global_stats = {
-            "stage": 2, "prototypes_neg": p_neg.astype(np.float32), "prototypes_pos": p_pos.astype(np.float32),
+            "stage": stage, "prototypes_neg": p_neg.astype(np.float32), "prototypes_pos": p_pos.astype(np.float32),
             "prototype_valid": valid, "learning_degree": degree,
             "tau0": degree * self.t0, "tau1": degree * self.t1, "t0": self.t0, "t1": self.t1,
             "prototype_sites": len(with_stats), "prevalence": prevalence,
