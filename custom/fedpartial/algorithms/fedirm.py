@@ -687,6 +687,8 @@ class FedIRMServer(ServerRule):
     """
 
     needs_classifier_names = True
+    # the summed class counts; the averaged matrix (which the sites train with) stays
+    summed_stats = (RELATION_COUNTS,)
 
     def __init__(self, relation_weighting: str = "sites", unlabelled_weight: float = 1.0):
         if not 0.0 <= float(unlabelled_weight) <= 1.0:
