@@ -6,7 +6,7 @@
   the end of the job's chains, i.e. after the site's filters) has every class count below k = 5
   withheld, the server sent no summed counts back (2 sites < 3), no local model left a site, and only
   allow-listed scalar tags reached the server's TensorBoard folder;
-* a job naming a scope no site defines is refused (FAILED_TO_RUN).
+* a job naming a scope no site defines is refused (FINISHED:FAILED_TO_RUN, each site saying why).
 
 One system per module; the finalizer kills every process it started, even on failure.
 """
@@ -185,6 +185,6 @@ def test_a_job_naming_an_unknown_scope_is_refused(system, tmp_path):
         result = deploy.run_job(session, str(job), str(tmp_path / "download"), timeout=120, log=lambda m: None)
     finally:
         session.close()
-    assert result["status"] == "FAILED_TO_RUN", result["status"]
+    assert result["status"] == "FINISHED:FAILED_TO_RUN", result["status"]
     logs = "".join(p.read_text(errors="replace") for p in system["prod"].glob("*/log.txt"))
     assert "privacy scope 'no_such_scope' is not allowed" in logs
