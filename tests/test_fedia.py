@@ -340,7 +340,8 @@ def test_client_estimates_triggers_corrects_once_and_survives_restart(tmp_path):
     client = scripted(FedIAClient(warmup_rounds=2), ious)
     client.setup(ctx)
     out0 = run_round(client, model, 0)
-    assert out0.stats == {"mean_loss": 0.4, "iou": 0.1, "completeness": 1.0, "completeness_ready": 0, "corrected": 0}
+    assert out0.stats == {"mean_loss": 0.4, "iou": 0.1, "completeness": 1.0, "completeness_ready": 0, "corrected": 0,
+                          "num_images": 2}
     assert out0.num_samples == 2
     run_round(client, model, 1)
     out2 = run_round(client, model, 2)

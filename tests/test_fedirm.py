@@ -418,3 +418,16 @@ def test_ramp_scales_lr_shortens_adam_step(tmp_path, scales_lr, step):
     before = model.fc.bias.detach().clone()
     rule.train_round(model, RoundInput(0, 3, {}))
     assert torch.allclose((model.fc.bias.detach() - before).abs(), torch.full((3,), step), rtol=1e-3)
+
+
+def test_relation_counts_count_distinct_images_not_visits(tmp_path):
+    # 8 images, classes [0,0,0,1,1,1,2,2]; 5 local epochs of one batch of 8 each: class 2's two images
+    # are visited 10 times, but the count released (and compared with k) is 2 images.
+    data = _site_data(labelled=True, n=8)
+    labels = np.eye(3, dtype=np.float32)[[0, 0, 0, 1, 1, 1, 2, 2]]
+    data.splits["train"] = Split(data.splits["train"].images, labels, np.ones_like(labels, dtype=bool))
+    rule = _client(local_epochs=5, batch_size=8)
+    rule.setup(_ctx(data, tmp_path))
+    result = rule.train_round(_model(), RoundInput(0, 3, {}))
+    assert result.metrics["train_steps"] == 5.0  # 5 epochs x 1 batch: every image visited 5 times
+    assert result.stats[RELATION_COUNTS].tolist() == [3.0, 3.0, 2.0]  # not [15, 15, 10]

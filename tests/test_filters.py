@@ -86,7 +86,8 @@ def test_fedirm_withheld_row_is_uniform_and_noisy_rows_still_sum_to_one():
     np.testing.assert_array_equal(out["relation_counts"], [0, 10, 0])
     row = out["relation_matrix"][1]
     assert not np.allclose(row, matrix[1]) and np.isclose(row.sum(), 1.0) and (row >= 0).all()
-    assert report == {"withheld": {"relation_matrix": 1, "relation_counts": 1}, "noised": ["relation_matrix"]}
+    assert report == {"withheld": {"relation_matrix": 1, "relation_counts": 1}, "noised": ["relation_matrix"],
+                      "no_count": [], "removed": []}
     from fedpartial.algorithms.fedirm import FedIRMServer
     FedIRMServer().check_stats(SiteUpdate("site-1", GLOBAL, 7, out), _server_ctx())
 
@@ -107,7 +108,8 @@ def test_fedlsm_count_noise_is_clipped_and_passes_the_server_check():
 
 
 def test_fedia_scalars_get_noise_and_stay_in_range():
-    stats = {"mean_loss": 0.4, "iou": 0.98, "completeness": 0.6, "completeness_ready": 1, "corrected": 0}
+    stats = {"mean_loss": 0.4, "iou": 0.98, "completeness": 0.6, "completeness_ready": 1, "corrected": 0,
+             "num_images": 7}
     out, _ = filter_statistics(stats, noise_sigma={"iou": 1.0, "completeness": 1.0},
                                rng=np.random.default_rng(3), **_preset("fedia"))
     assert isinstance(out["iou"], float) and 0.0 <= out["iou"] <= 1.0 and out["iou"] != 0.98

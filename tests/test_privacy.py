@@ -119,7 +119,9 @@ def run_recorded(tmp_path: Path, method: str, extra=(), data_root=None, kind=Non
     job, data_kind, sets = METHODS[method]
     data_root = data_root or tmp_path / "sites"
     splits = write_sites(data_root, kind or data_kind) if not (data_root / "site-1.npz").exists() else {}
-    src = Path(package_job(str(REPO / "jobs" / job), str(tmp_path / "job_src"), ["num_rounds=2", *sets, *extra],
+    # the jobs ask for no local model; this audit asks, to see what a site's local model message holds
+    src = Path(package_job(str(REPO / "jobs" / job), str(tmp_path / "job_src"),
+                           ["num_rounds=2", "submit_model_task_name=submit_model", *sets, *extra],
                            with_code=False))
     client_path = src / "app" / "config" / "config_fed_client.json"
     client = json.loads(client_path.read_text())

@@ -146,11 +146,12 @@ def test_lead_runs_fedlsm_over_mtls_and_downloads_the_model(system, tmp_path):
         # both sites' updates reached the server, with FedLSM's class counts
         assert sorted(r["sites"]) == SITES
         assert all(r["sites"][s]["num_samples"] > 0 and r["sites"][s]["bytes_stats"] > 0 for s in SITES)
-    # cross-site evaluation: each site validated the global model and both sites' local models
+    # cross-site evaluation: each site validated the global model; the sites' local models stay at the
+    # sites (the jobs' CrossSiteModelEval asks for none)
     cross = json.loads(Path(result["cross_site_val"]).read_text())
     assert sorted(cross) == SITES
     for site in SITES:
-        assert {"SRV_SRV_global_model", *SITES} <= set(cross[site])
+        assert "SRV_SRV_global_model" in cross[site] and not set(SITES) & set(cross[site])
         assert 0.0 <= cross[site]["SRV_SRV_global_model"]["auc"] <= 1.0
     # TensorBoard curves stay on each site, in its workspace under the job id
     for site in SITES:

@@ -143,6 +143,9 @@ class ServerRule:
     """
 
     needs_classifier_names = False
+    #: global statistics that are per-class counts summed over sites: the aggregator withholds them
+    #: from the sites when fewer than ``min_sites_for_shared_stats`` sites contributed (subtraction).
+    summed_stats: Tuple[str, ...] = ()
 
     def check_stats(self, update: SiteUpdate, ctx: ServerContext) -> None:
         """Raise ``ValueError`` naming the key when ``update.stats`` is malformed (wrong size,

@@ -524,7 +524,7 @@ class FedIAClient(SegmentationSupervisedClient):
         if n == 0:
             self.ctx.log(f"site '{self.ctx.site}' has no training image: it takes no part in the average")
             return RoundResult(num_samples=0, stats={"mean_loss": 1.0, "iou": 0.0, "completeness": 1.0,
-                                                     "completeness_ready": 0, "corrected": 0})
+                                                     "completeness_ready": 0, "corrected": 0, "num_images": 0})
         # one pass of the received global model serves both steps
         count = r >= self.warmup_rounds and state["completeness"] is None
         correct = self.use_correction and state["correction_pending"]
@@ -559,7 +559,9 @@ class FedIAClient(SegmentationSupervisedClient):
         self.save_state()
         stats = {"mean_loss": float(mean_loss), "iou": float(iou),
                  "completeness": float(state["completeness"]) if ready else 1.0,
-                 "completeness_ready": int(ready), "corrected": int(state["corrected"])}
+                 "completeness_ready": int(ready), "corrected": int(state["corrected"]),
+                 # how many images the scalars above describe: the site's minimum-count rule reads it
+                 "num_images": int(n)}
         return RoundResult(num_samples=n, stats=stats, metrics=metrics)
 
 

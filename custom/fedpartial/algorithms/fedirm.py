@@ -510,6 +510,7 @@ class FedIRMClient(ClientRule):
         model.train()
         sums = torch.zeros(num_classes, num_classes, dtype=torch.float64)
         counts = torch.zeros(num_classes, dtype=torch.float64)
+        seen = np.zeros(n, dtype=bool)
         losses: List[float] = []
         for _ in range(self.local_epochs):
             for idx in batch_indices(n, self.batch_size, rng, drop_last=True):
@@ -526,8 +527,12 @@ class FedIRMClient(ClientRule):
                 batch_sums, batch_counts = class_logit_sums(logits.detach().double().cpu(), self._targets(idx).double())
                 sums += batch_sums
                 counts += batch_counts
+                seen[idx] = True
         matrix = relation_from_sums(sums, counts, self.temperature, self.multilabel)
-        stats = {RELATION_MATRIX: matrix.numpy().astype(np.float64), RELATION_COUNTS: counts.numpy(),
+        # The released count is of distinct images: the minimum-count rule (k) and the server's count
+        # weighting are about how many images a row describes, not how often they were visited.
+        distinct = self._targets(np.flatnonzero(seen)).double().sum(dim=0)
+        stats = {RELATION_MATRIX: matrix.numpy().astype(np.float64), RELATION_COUNTS: distinct.numpy(),
                  RELATION_MULTILABEL: int(self.multilabel)}
         metrics = {"train_loss": float(np.mean(losses)) if losses else 0.0, "train_steps": float(len(losses)),
                    "labelled": 1.0, "relation_classes_seen": float((counts > 0).sum())}
@@ -682,6 +687,8 @@ class FedIRMServer(ServerRule):
     """
 
     needs_classifier_names = True
+    # the summed class counts; the averaged matrix (which the sites train with) stays
+    summed_stats = (RELATION_COUNTS,)
 
     def __init__(self, relation_weighting: str = "sites", unlabelled_weight: float = 1.0):
         if not 0.0 <= float(unlabelled_weight) <= 1.0:

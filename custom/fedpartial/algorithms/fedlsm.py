@@ -555,8 +555,8 @@ class FedLSMClient(ClientRule):
             "n_uncertain": float(len(uncertain) if self.use_ue else 0), "mean_entropy": float(entropy.mean()),
             "num_pseudo_positive": float(ever_pseudo_pos.sum()), "num_pseudo_negative": float(ever_pseudo_neg.sum()),
             "samples_seen": float(seen.sum()),
-            # 1 once the server's summed statistics came back (round >= 1): the stats made the round trip.
-            "global_stats_received": float("class_counts" in inp.global_stats),
+            # 1 once the server's statistics came back (round >= 1): the stats made the round trip.
+            "global_stats_received": float("pos_weight" in inp.global_stats),
         })
         if self.reference_labels is not None:
             metrics.update(pseudo_label_quality(ever_pseudo_pos, ever_pseudo_neg, self.reference_labels,
@@ -611,6 +611,8 @@ class AWPAServer(ServerRule):
     """
 
     needs_classifier_names = True
+    # sums over sites; pos_weight (their ratio, which the sites train with) stays
+    summed_stats = ("class_counts", "label_pos", "label_neg")
 
     def __init__(self, use_awpa: bool = True, without_awpa: str = "masked", max_pos_weight: Optional[float] = None):
         if without_awpa not in ("masked", "fedavg"):

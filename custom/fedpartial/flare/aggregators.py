@@ -76,11 +76,19 @@ class RuleAggregator(Aggregator):
             that class-wise rules (FedLSM, FedMLP, FedIRM) average and check. Required by those
             rules: the aggregator refuses to start without it.
         min_valid_updates: a round with fewer valid updates fails with a clear message.
+        min_sites_for_shared_stats: a summed statistic (the rule's ``summed_stats``: per-class
+            counts added over sites) goes back to the sites only when at least this many sites
+            contributed to it; with fewer (two), each site could subtract its own counts from the
+            sum and read the other's. Default 3; 0 or 1 = always send.
     """
 
     def __init__(self, rule: str = "fedpartial.algorithms.fedavg.FedAvgServer", rule_args: dict = None,
-                 model: dict = None, min_valid_updates: int = 1):
+                 model: dict = None, min_valid_updates: int = 1, min_sites_for_shared_stats: int = 3):
         super().__init__()
+        if int(min_sites_for_shared_stats) < 0:
+            raise ValueError(f"RuleAggregator min_sites_for_shared_stats must be >= 0, got {min_sites_for_shared_stats}")
+        self.min_sites_for_shared_stats = int(min_sites_for_shared_stats)
+        self._warned_withheld = set()
         self.rule_path = rule
         self.rule = build_rule(rule, rule_args)
         self.classifier_names = classifier_names(model, rule)
@@ -160,9 +168,31 @@ class RuleAggregator(Aggregator):
                 self.log_warning(fl_ctx, f"round {ctx.round}: the global model the sites received predicts no lesion "
                                          f"on any of the {pooled['n_images']} validation images of "
                                          f"{pooled['sites']} site(s)")
+        global_stats = self._withhold_small_sums(fl_ctx, global_stats, ctx)
         self._record(fl_ctx, ctx.round, ctx.report)
         self.log_info(fl_ctx, f"round {ctx.round}: aggregated {len(self.updates)} update(s) with {self.rule_path}")
         return DXO(DataKind.WEIGHTS, data=weights, meta={GLOBAL_STATS: global_stats}).to_shareable()
+
+    def _withhold_small_sums(self, fl_ctx: FLContext, global_stats: dict, ctx: ServerContext) -> dict:
+        """``global_stats`` without the summed statistics fewer than ``min_sites_for_shared_stats``
+        sites contributed to (recorded in the round's report, logged once per key)."""
+        summed = [k for k in getattr(self.rule, "summed_stats", ()) if k in (global_stats or {})]
+        if not summed or self.min_sites_for_shared_stats <= 1:
+            return global_stats
+        out = dict(global_stats)
+        for key in summed:
+            sites = sorted(u.site for u in self.updates if u.num_samples > 0 and key in (u.stats or {}))
+            if len(sites) >= self.min_sites_for_shared_stats:
+                continue
+            del out[key]
+            ctx.report.setdefault("withheld_from_sites", []).append(key)
+            if key not in self._warned_withheld:
+                self._warned_withheld.add(key)
+                self.log_warning(fl_ctx, f"round {ctx.round}: summed statistic '{key}' is not sent back to the sites: "
+                                         f"only {len(sites)} site(s) contributed ({', '.join(sites) or 'none'}), "
+                                         f"min_sites_for_shared_stats={self.min_sites_for_shared_stats}; with two, "
+                                         "each site could subtract its own counts and read the other's")
+        return out
 
     def _record(self, fl_ctx: FLContext, round_num: int, report: dict = None) -> None:
         """Append this round's per-site metrics, and what the server rule decided (``server``:

@@ -23,7 +23,7 @@ import itertools
 import os
 import pickle
 import threading
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Tuple, Union
 
 import numpy as np
 from nvflare.apis.dxo import DXO, DataKind, from_shareable
@@ -38,31 +38,74 @@ from fedpartial.flare.common import SITE_STATS
 
 INF = float("inf")
 
-#: Per-method defaults of :class:`StatisticsPrivacyFilter`. ``guards``: statistic -> the count key
-#: whose class entries it was computed from (a count guards itself). ``fill``: what a withheld row
-#: becomes, i.e. the placeholder the server rule already reads as "absent" (count 0).
+#: Every statistic a method's client rule sends, in one place (the per-method presets below and the
+#: site policy's ``auto`` preset are this table). ``keys``: every key the rule sends (``auto`` withholds
+#: any other key). ``guards``: statistic -> the count key saying from how many images each row (or a
+#: scalar statistic) was computed (a count guards itself). ``fill``: what a withheld row becomes, i.e.
+#: the placeholder the server rule already reads as "absent" (count 0).
 PRESETS: Dict[str, dict] = {
     "none": {},
-    # FedLSM: per-class counts of confident positives (AWPA row weights) and annotated pos / neg.
-    "fedlsm": {"guards": {"class_counts": "class_counts", "label_pos": "label_pos", "label_neg": "label_neg"},
+    # FedLSM: per-class counts of confident positives (AWPA row weights) and annotated pos / neg;
+    # annotated_classes says which classes the site annotates (no sample value).
+    "fedlsm": {"keys": ["class_counts", "label_pos", "label_neg", "annotated_classes"],
+               "guards": {"class_counts": "class_counts", "label_pos": "label_pos", "label_neg": "label_neg"},
                "clip": {"class_counts": [0, INF], "label_pos": [0, INF], "label_neg": [0, INF]}},
     # FedMLP: class prototypes (C, D) behind their sample counts (C,); learning degrees in [0, 1].
-    "fedmlp": {"guards": {"prototypes_pos": "prototype_counts_pos", "prototype_counts_pos": "prototype_counts_pos",
+    "fedmlp": {"keys": ["prototypes_pos", "prototypes_neg", "prototype_counts_pos", "prototype_counts_neg",
+                        "learning_degree", "annotated", "annotated_classes"],
+               "guards": {"prototypes_pos": "prototype_counts_pos", "prototype_counts_pos": "prototype_counts_pos",
                           "prototypes_neg": "prototype_counts_neg", "prototype_counts_neg": "prototype_counts_neg"},
                "clip": {"prototype_counts_pos": [0, INF], "prototype_counts_neg": [0, INF],
                         "learning_degree": [0, 1]}},
-    # FedIRM: relation matrix rows (softmax, sum 1) behind the class counts; absent row = 1/C.
-    "fedirm": {"guards": {"relation_matrix": "relation_counts", "relation_counts": "relation_counts"},
+    # FedIRM: relation matrix rows (softmax, sum 1) behind the class counts (distinct images); absent row = 1/C.
+    "fedirm": {"keys": ["relation_matrix", "relation_counts", "relation_multilabel"],
+               "guards": {"relation_matrix": "relation_counts", "relation_counts": "relation_counts"},
                "fill": {"relation_matrix": "uniform"},
                "clip": {"relation_matrix": [0, 1], "relation_counts": [0, INF]},
                "normalise_rows": ["relation_matrix"]},
     # FedIRM multi-label: sigmoid rows, absent row = 0.5, no row sum.
-    "fedirm_multilabel": {"guards": {"relation_matrix": "relation_counts", "relation_counts": "relation_counts"},
+    "fedirm_multilabel": {"keys": ["relation_matrix", "relation_counts", "relation_multilabel"],
+                          "guards": {"relation_matrix": "relation_counts", "relation_counts": "relation_counts"},
                           "fill": {"relation_matrix": 0.5},
                           "clip": {"relation_matrix": [0, 1], "relation_counts": [0, INF]}},
-    # FedIA: site-level scalars only (no class-wise counts to guard); noise keeps them in range.
-    "fedia": {"clip": {"mean_loss": [0, INF], "iou": [0, 1], "completeness": [1e-6, INF]}},
+    # FedIA: site-level scalars over the site's num_images training images; withheld = the values a
+    # site without training images sends (neutral loss, completeness 1, not ready).
+    "fedia": {"keys": ["mean_loss", "iou", "completeness", "completeness_ready", "corrected", "num_images"],
+              "guards": {k: "num_images" for k in ("mean_loss", "iou", "completeness", "completeness_ready",
+                                                   "corrected", "num_images")},
+              "fill": {"mean_loss": 1.0, "iou": 0.0, "completeness": 1.0, "completeness_ready": 0.0,
+                       "corrected": 0.0},
+              "clip": {"mean_loss": [0, INF], "iou": [0, 1], "completeness": [1e-6, INF]}},
 }
+#: ``auto`` (the site policy's preset): the method is recognised from the keys present, so one site
+#: policy covers every job; statistics of no known method are withheld.
+AUTO = "auto"
+PRESET_NAMES = sorted(PRESETS) + [AUTO]
+#: the keys that identify each method's statistics for ``auto`` (FedIRM's flavour from its flag)
+_SIGNATURES = {"fedlsm": ("class_counts", "label_pos", "label_neg"),
+               "fedmlp": ("prototypes_pos", "prototypes_neg", "prototype_counts_pos", "prototype_counts_neg"),
+               "fedirm": ("relation_matrix", "relation_counts"),
+               "fedia": ("mean_loss", "iou", "completeness", "num_images")}
+
+
+def auto_preset(stats: dict) -> Tuple[List[str], dict]:
+    """The method presets whose statistics ``stats`` holds, merged: ``(names, preset)``.
+
+    A message with none of them (e.g. FedMLP warm-up rounds: ``annotated_classes`` only) gets the
+    union of every preset's ``keys`` and no guards."""
+    names = []
+    for name, signature in _SIGNATURES.items():
+        if any(k in stats for k in signature):
+            if name == "fedirm" and float(np.asarray(stats.get("relation_multilabel", 0))) > 0:
+                name = "fedirm_multilabel"
+            names.append(name)
+    merged = {"keys": sorted({k for p in PRESETS.values() for k in p.get("keys", [])}), "guards": {}, "fill": {},
+              "clip": {}, "normalise_rows": []}
+    for name in names:
+        for part in ("guards", "fill", "clip"):
+            merged[part].update(PRESETS[name].get(part, {}))
+        merged["normalise_rows"] += PRESETS[name].get("normalise_rows", [])
+    return names, merged
 
 
 def _fill_value(spec, row_length: int) -> float:
@@ -75,13 +118,16 @@ def filter_statistics(stats: dict, min_count: int = 0, guards: Optional[Dict[str
                       fill: Optional[Dict[str, Union[float, str]]] = None,
                       noise_sigma: Optional[Dict[str, float]] = None, clip: Optional[Dict[str, list]] = None,
                       normalise_rows: Optional[List[str]] = None, rng: Optional[np.random.Generator] = None,
-                      where: str = "") -> tuple:
+                      where: str = "", allowed_keys: Optional[List[str]] = None) -> tuple:
     """Apply the minimum-count rule and the noise to one site's statistics (a new dict).
 
     1. Withhold: for each ``guards`` entry ``stat -> count``, every class ``c`` with
        ``stats[count][c] < min_count`` (or 0) has row ``c`` of ``stats[stat]`` replaced by its
        ``fill`` (0 unless given; ``"uniform"`` = 1/row length). Counts guard themselves, so a
-       withheld class is sent as count 0, which the server rules already read as "absent".
+       withheld class is sent as count 0, which the server rules already read as "absent". A
+       scalar count (FedIA's ``num_images``) withholds its whole statistic. Fail closed: a guarded
+       statistic whose count key is absent is withheld whole (when ``min_count`` >= 1).
+       With ``allowed_keys``, any other key is withheld (removed).
     2. Noise: ``noise_sigma[key]`` Gaussian noise on the released entries of ``key`` (all entries
        when the key has no guard); withheld rows stay exact placeholders.
     3. Project: ``clip[key] = [lo, hi]`` then, for ``normalise_rows`` keys, released rows are
@@ -97,28 +143,46 @@ def filter_statistics(stats: dict, min_count: int = 0, guards: Optional[Dict[str
         normalise_rows: keys whose released rows must sum to 1.
         rng: noise source (seed it only for tests).
         where: site name for error messages.
+        allowed_keys: the only keys that may leave (None = every key).
 
     Returns:
-        ``(filtered stats, report)``; report = ``{"withheld": {stat: n_rows}, "noised": [keys]}``
+        ``(filtered stats, report)``; report = ``{"withheld": {stat: n_rows}, "noised": [keys],
+        "no_count": [stats withheld whole for lack of their count], "removed": [keys not allowed]}``
         (counts of rows only, never values).
     """
     guards, fill, clip = dict(guards or {}), dict(fill or {}), dict(clip or {})
     noise_sigma, normalise_rows = dict(noise_sigma or {}), list(normalise_rows or [])
     rng = rng if rng is not None else np.random.default_rng()
     out = dict(stats)
-    released: Dict[str, np.ndarray] = {}  # stat -> (C,) bool rows that may carry real values
+    report = {"withheld": {}, "noised": [], "no_count": [], "removed": []}
+    if allowed_keys is not None:
+        report["removed"] = sorted(k for k in stats if k not in set(allowed_keys))
+        for key in report["removed"]:
+            del out[key]
+        stats = dict(out)
+    released: Dict[str, np.ndarray] = {}  # stat -> (C,) or 0-d bool: rows that may carry real values
     hidden: Dict[str, int] = {}
     for stat, count_key in guards.items():
-        if stat not in stats or count_key not in stats:
+        if stat not in stats:
             continue  # e.g. FedMLP warm-up rounds and FedIRM unlabelled sites send no statistics
-        counts = np.asarray(stats[count_key], dtype=np.float64)
         value = np.asarray(stats[stat])
+        if count_key not in stats:
+            if int(min_count) >= 1:  # fail closed: nothing says how many images this came from
+                released[stat] = np.zeros(value.shape[:1], dtype=bool)
+                hidden[stat] = int(value.shape[0]) if value.ndim else 1
+                report["no_count"].append(stat)
+            continue
+        counts = np.asarray(stats[count_key], dtype=np.float64)
+        if counts.ndim == 0:  # one count for the whole statistic
+            ok = bool(np.isfinite(counts) and counts >= max(int(min_count), 1))
+            released[stat] = np.full(value.shape[:1], ok, dtype=bool)
+            hidden[stat] = int(not ok and counts > 0) * (int(value.shape[0]) if value.ndim else 1)
+            continue
         if counts.ndim != 1 or value.ndim < 1 or value.shape[0] != counts.shape[0]:
             raise ValueError(f"site '{where}': statistic '{stat}' of shape {value.shape} cannot be guarded by "
                              f"count '{count_key}' of shape {counts.shape} (one count per row needed)")
         released[stat] = (counts >= max(int(min_count), 1)) & np.isfinite(counts)
         hidden[stat] = int(((counts > 0) & ~released[stat]).sum())  # rows that really held something
-    report = {"withheld": {}, "noised": []}
     for key in sorted(set(stats) & (set(released) | set(noise_sigma) | set(clip) | set(normalise_rows))):
         original = stats[key]
         value = np.array(original, dtype=np.float64, copy=True)
@@ -136,12 +200,12 @@ def filter_statistics(stats: dict, min_count: int = 0, guards: Optional[Dict[str
             noise = rng.normal(0.0, sigma, size=value.shape)
             if rows is not None:
                 noise[~rows] = 0.0
-            value = value + noise
+            value = np.asarray(value + noise)
             report["noised"].append(key)
         if key in clip:
             lo, hi = (float(b) for b in clip[key])
             keep = value.copy()
-            value = np.clip(value, lo, hi)
+            value = np.array(np.clip(value, lo, hi))
             if rows is not None:  # placeholders are exact by construction: never clip them away
                 value[~rows] = keep[~rows]
         if key in normalise_rows and value.ndim == 2:
@@ -166,7 +230,8 @@ class StatisticsPrivacyFilter(DXOFilter):
 
     Args:
         preset: method defaults for ``guards`` / ``fill`` / ``clip`` / ``normalise_rows``: one of
-            ``none, fedlsm, fedmlp, fedirm, fedirm_multilabel, fedia``. Explicit arguments win.
+            ``none, fedlsm, fedmlp, fedirm, fedirm_multilabel, fedia``, or ``auto`` (the site policy's:
+            the method's defaults chosen per message from the keys present). Explicit arguments win.
         min_count: k: a class-wise statistic from fewer than k samples is withheld (0 = off).
         guards: ``{statistic: count key}``; which count guards which statistic.
         fill: ``{statistic: value}`` of a withheld row (number or ``"uniform"``; default 0).
@@ -175,18 +240,25 @@ class StatisticsPrivacyFilter(DXOFilter):
         normalise_rows: keys whose rows must sum to 1 after the noise.
         seed: noise seed; leave None outside tests (predictable noise protects nothing).
         data_kinds: DXO kinds to filter (default WEIGHTS and WEIGHT_DIFF).
+        unknown_keys: ``withhold`` (remove any key no method preset lists; the default of ``auto``)
+            or ``pass`` (the default of the named presets).
     """
 
     def __init__(self, preset: str = "none", min_count: int = 0, guards: Optional[dict] = None,
                  fill: Optional[dict] = None, noise_sigma: Optional[dict] = None, clip: Optional[dict] = None,
-                 normalise_rows: Optional[list] = None, seed: Optional[int] = None, data_kinds: List[str] = None):
+                 normalise_rows: Optional[list] = None, seed: Optional[int] = None, data_kinds: List[str] = None,
+                 unknown_keys: Optional[str] = None):
         kinds = [DataKind.WEIGHTS, DataKind.WEIGHT_DIFF]
         super().__init__(supported_data_kinds=kinds, data_kinds_to_filter=data_kinds or kinds)
-        if preset not in PRESETS:
-            raise ValueError(f"StatisticsPrivacyFilter preset '{preset}' unknown; choose one of {sorted(PRESETS)}")
+        if preset not in PRESET_NAMES:
+            raise ValueError(f"StatisticsPrivacyFilter preset '{preset}' unknown; choose one of {PRESET_NAMES}")
         if int(min_count) < 0:
             raise ValueError(f"StatisticsPrivacyFilter min_count must be >= 0, got {min_count}")
-        base = PRESETS[preset]
+        self.unknown_keys = unknown_keys or ("withhold" if preset == AUTO else "pass")
+        if self.unknown_keys not in ("withhold", "pass"):
+            raise ValueError(f"StatisticsPrivacyFilter unknown_keys must be 'withhold' or 'pass', got '{unknown_keys}'")
+        self.preset = preset
+        base = {} if preset == AUTO else PRESETS[preset]
         self.min_count = int(min_count)
         self.guards = {**base.get("guards", {}), **(guards or {})}
         self.fill = {**base.get("fill", {}), **(fill or {})}
@@ -206,11 +278,23 @@ class StatisticsPrivacyFilter(DXOFilter):
         if not stats:
             return None
         site = fl_ctx.get_identity_name() if fl_ctx is not None else "?"
-        filtered, report = filter_statistics(stats, self.min_count, self.guards, self.fill, self.noise_sigma,
-                                             self.clip, self.normalise_rows, self.rng, where=site)
+        guards, fill, clip, rows, allowed, methods = self.guards, self.fill, self.clip, self.normalise_rows, None, ""
+        if self.preset == AUTO:  # the method's table from the keys present; explicit arguments still win
+            names, auto = auto_preset(stats)
+            guards, fill = {**auto["guards"], **self.guards}, {**auto["fill"], **self.fill}
+            clip, rows = {**auto["clip"], **self.clip}, list(dict.fromkeys(auto["normalise_rows"] + rows))
+            allowed, methods = auto["keys"], f" as {'+'.join(names) or 'no method'}"
+        if self.unknown_keys == "withhold":
+            known = set(allowed) if allowed is not None else set().union(*(p.get("keys", []) for p in PRESETS.values()))
+            allowed = sorted(known | set(guards) | set(guards.values()))
+        filtered, report = filter_statistics(stats, self.min_count, guards, fill, self.noise_sigma, clip, rows,
+                                             self.rng, where=site, allowed_keys=allowed)
         dxo.set_meta_prop(SITE_STATS, filtered)
-        self.log_info(fl_ctx, f"site statistics filtered (min_count={self.min_count}): withheld rows "
+        self.log_info(fl_ctx, f"site statistics filtered{methods} (min_count={self.min_count}): withheld rows "
                               f"{report['withheld'] or 'none'}; noise on {report['noised'] or 'nothing'}")
+        if report["no_count"] or report["removed"]:
+            self.log_warning(fl_ctx, f"withheld whole: {report['no_count']} (their count key is missing), "
+                                     f"{report['removed']} (not a statistic of any known method)")
         return dxo
 
 
