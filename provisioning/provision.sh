@@ -35,7 +35,9 @@ PREV="$(ls -d "$WS/$NAME"/prod_* 2>/dev/null | sort | tail -n 1 || true)"
 if [[ -n "$RENEW" ]]; then
   "$PYTHON" -m fedpartial_tools.deploy renew-certs "$WS" "$PROJECT" ${RENEW//,/ }
 fi
-"$PYTHON" -m nvflare.cli provision -p "$PROJECT" -w "$WS" --force >/dev/null
+# from the project file's folder: its relative paths (SitePolicyBuilder's privacy_file) are read from there
+PROJECT="$(cd "$(dirname "$PROJECT")" && pwd)/$(basename "$PROJECT")"
+(cd "$(dirname "$PROJECT")" && "$PYTHON" -m nvflare.cli provision -p "$PROJECT" -w "$WS" --force >/dev/null)
 PROD="$(ls -d "$WS/$NAME"/prod_* | sort | tail -n 1)"
 echo "kits in $PROD (root CA: $WS/$NAME/state/cert.json — keep private):"
 for kit in "$PROD"/*/; do

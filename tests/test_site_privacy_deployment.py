@@ -12,7 +12,6 @@ One system per module; the finalizer kills every process it started, even on fai
 """
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -64,12 +63,16 @@ def system(tmp_path_factory):
         mp.setenv("HOME", env["HOME"])
         mp.setenv("TMPDIR", env["TMPDIR"])
         mp.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
-        project = deploy.localhost_project("privacy_test", deploy.free_port(), SITES)
+        # the kits get provisioning/privacy.json from provisioning (SitePolicyBuilder), as project.yml's do;
+        # byoc stays allowed: the test's jobs carry their code
+        project = deploy.localhost_project("privacy_test", deploy.free_port(), SITES, site_policy={
+            "allow_byoc": True, "privacy_file": str(REPO / "provisioning" / "privacy.json")})
         prod = Path(deploy.provision(deploy.write_project(str(root / "project.yml"), project),
                                      str(root / "provision"), env=env))
         deploy.keep_server_storage_in(str(prod / "localhost"), str(root / "storage"))
         for site in SITES:  # the site's own policy, read by FLARE when the kit starts and for every job
-            shutil.copyfile(REPO / "provisioning" / "privacy.json", prod / site / "local" / "privacy.json")
+            assert (prod / site / "local" / "privacy.json").read_bytes() == \
+                (REPO / "provisioning" / "privacy.json").read_bytes()
         try:
             procs.append(deploy.start_kit(str(prod / "localhost"), str(root / "server.console.log"), env))
             kits = {role: kit for kit, role in deploy.admin_kits(str(prod)).items()}

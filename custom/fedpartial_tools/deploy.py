@@ -153,7 +153,9 @@ def provision(project_file: str, workspace: str, env: Optional[dict] = None, tim
                            "--force"]
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (TOOLS_ROOT, env.get("PYTHONPATH", "")) if p)
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    # from the project file's folder, as provisioning/provision.sh: relative paths in it are read from there
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                         cwd=os.path.dirname(os.path.abspath(project_file)))
     if res.returncode != 0:
         raise RuntimeError(f"'{' '.join(cmd)}' failed (exit {res.returncode}):\n{res.stdout}\n{res.stderr}")
     import yaml
