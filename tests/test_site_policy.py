@@ -142,7 +142,7 @@ def test_shipped_projects_use_the_site_policy(name):
     paths = [b["path"] for b in builders]
     policy = paths.index(deploy.SITE_POLICY_BUILDER)
     assert policy > paths.index(deploy.STATIC_FILE_BUILDER)  # it edits what StaticFileBuilder wrote
-    assert builders[policy]["args"] == {"allow_byoc": False, "class_prefixes": ["fedpartial."], "privacy_file": None}
+    assert builders[policy]["args"] == {"allow_byoc": False, "class_prefixes": ["fedpartial."], "privacy_file": "privacy.json"}
 
 
 def test_docker_project_writes_compose_and_docker_scripts(tmp_path):
@@ -151,8 +151,12 @@ def test_docker_project_writes_compose_and_docker_scripts(tmp_path):
     image = f"fedpartial:{VERSION}"
     project = yaml.safe_load((REPO / "provisioning" / "project_localhost.yml").read_text())
     project["participants"][0]["fed_learn_port"] = 18103
-    prod = Path(deploy.provision(deploy.write_project(str(tmp_path / "p.yml"), deploy.docker_project(project, image)),
+    derived = deploy.docker_project(project, image, project_dir=str(REPO / "provisioning"))
+    prod = Path(deploy.provision(deploy.write_project(str(tmp_path / "p.yml"), derived),
                                  str(tmp_path / "ws"), env=deploy.kit_env(str(tmp_path))))
+    # the derived file lives elsewhere: its privacy file is the shipped one, by absolute path
+    assert (prod / "site-1" / "local" / "privacy.json").read_bytes() == \
+        (REPO / "provisioning" / "privacy.json").read_bytes()
     compose = yaml.safe_load((prod / "compose.yaml").read_text())
     assert sorted(compose["services"]) == ["localhost", "site-1", "site-2"]
     for name, service in compose["services"].items():

@@ -514,7 +514,7 @@ DOCKER_BUILDER = "nvflare.lighter.impl.docker.DockerBuilder"
 STATIC_FILE_BUILDER = "nvflare.lighter.impl.static_file.StaticFileBuilder"
 
 
-def docker_project(project: dict, image: str, requirements_file: str = "") -> dict:
+def docker_project(project: dict, image: str, requirements_file: str = "", project_dir: str = "") -> dict:
     """``project`` (a project.yml dict) with NVFlare's container outputs switched on for ``image``
     (built by ``docker/build.sh``):
 
@@ -529,11 +529,17 @@ def docker_project(project: dict, image: str, requirements_file: str = "") -> di
         project: the project dict (not changed).
         image: the fedpartial image, e.g. ``fedpartial:0.1.0``.
         requirements_file: extra packages for ``nvflare_compose/`` ("" = none: the image has the stack).
+        project_dir: the folder of the project file, against which its relative ``privacy_file`` is
+            made absolute (the derived file may be written elsewhere); "" = leave paths as they are.
     """
     import copy
 
     out = copy.deepcopy(project)
     builders = out.get("builders") or []
+    for b in builders:
+        privacy = (b.get("args") or {}).get("privacy_file") if b.get("path") == SITE_POLICY_BUILDER else None
+        if privacy and project_dir and not os.path.isabs(privacy):
+            b["args"]["privacy_file"] = os.path.abspath(os.path.join(project_dir, privacy))
     static = [b for b in builders if b.get("path") == STATIC_FILE_BUILDER]
     if not static:
         raise ValueError(f"project '{out.get('name')}' has no {STATIC_FILE_BUILDER} among its builders")
@@ -746,7 +752,8 @@ def _cmd_docker_project(args):
 
     with open(args.project) as f:
         project = yaml.safe_load(f)
-    write_project(args.out, docker_project(project, args.image or f"fedpartial:{fedpartial.__version__}"))
+    write_project(args.out, docker_project(project, args.image or f"fedpartial:{fedpartial.__version__}",
+                                           project_dir=os.path.dirname(os.path.abspath(args.project))))
     print(args.out)
 
 
