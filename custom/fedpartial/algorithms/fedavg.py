@@ -84,7 +84,8 @@ def average_weights(updates: List[SiteUpdate], ctx: ServerContext) -> Dict[str, 
 def capped_counts(update: SiteUpdate, key: str, ctx: ServerContext) -> np.ndarray:
     """``update.stats[key]`` (per-class sample counts) capped at the site's sample count, with a
     log line naming the site when a cap applies (a site cannot outweigh the others by reporting
-    more samples than it trained on).
+    more samples than it trained on). The sample count itself is capped by the aggregator at the
+    site's first reported train size (:class:`fedpartial.algorithms.robust.UpdateScreen`).
 
     Args:
         update: the site's update.
