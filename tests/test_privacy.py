@@ -4,7 +4,8 @@ rounds, train + submit_model + validate) of each method. The messages must hold 
 parameters and aggregate statistics:
 
 * train / submit_model data: exactly the model's state_dict keys with the model's shapes;
-* DXO meta: only the sample count, the received model's metrics, site_stats and site_metrics;
+* DXO meta: only the sample count, the train split's size, the received model's metrics,
+  site_stats and site_metrics;
 * every site_stats array has dimensions in {C, D} (classes, feature size) -- site sizes 37 / 29
   and val sizes 11 / 13 are chosen distinct from C = 4 and D so a per-sample array would show;
   metrics are plain numbers;
@@ -149,7 +150,7 @@ def _arrays(value, path=""):
 @pytest.mark.parametrize("method", list(METHODS))
 def test_sites_send_only_parameters_and_aggregate_statistics(tmp_path, method):
     from nvflare.apis.dxo import DataKind, MetaKey
-    from fedpartial.flare.common import SITE_METRICS, SITE_STATS
+    from fedpartial.flare.common import SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE
 
     summary, records, shapes, splits = run_recorded(tmp_path, method)
     assert summary["exit_code"] == 0, summary["errors"]
@@ -172,7 +173,8 @@ def test_sites_send_only_parameters_and_aggregate_statistics(tmp_path, method):
         meta = dxo["meta"]
         # filter_history: FLARE's own record of which filters ran (class names only)
         assert set(meta) <= {MetaKey.NUM_STEPS_CURRENT_ROUND, MetaKey.INITIAL_METRICS, SITE_STATS, SITE_METRICS,
-                             MetaKey.FILTER_HISTORY}, where
+                             SITE_TRAIN_SIZE, MetaKey.FILTER_HISTORY}, where
+        assert isinstance(meta.get(SITE_TRAIN_SIZE, 0), int), where  # one count, as the sample count
         assert all(isinstance(name, str) for name in meta.get(MetaKey.FILTER_HISTORY, [])), where
         for key in (SITE_METRICS, MetaKey.INITIAL_METRICS):  # flat dicts of numbers
             for name, value in (meta.get(key) or {}).items():

@@ -123,6 +123,10 @@ class ServerContext:
         report: what the rule decided this round (per-site weights, the statistics they came
             from, the rule used); the aggregator writes it to the round's ``server`` entry of
             metrics.json.
+        weight_rule: how the parameters a method averages by weights are combined
+            (``fedpartial.algorithms.fedavg.average_weights``): ``mean`` (weighted by the method's
+            weights), ``median`` or ``trimmed_mean`` (unweighted, robust to a few bad sites).
+        trim_fraction: for ``trimmed_mean``, the share of sites dropped at each end per coordinate.
     """
 
     round: int
@@ -132,6 +136,8 @@ class ServerContext:
     global_stats: Stats = field(default_factory=dict)
     log: Callable[[str], None] = _log.info
     report: Dict[str, object] = field(default_factory=dict)
+    weight_rule: str = "mean"
+    trim_fraction: float = 0.2
 
 
 class ServerRule:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
+from fedpartial.algorithms.robust import robust_weights, trim_count
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import SINGLE_LABEL
 from fedpartial.training.common import (ImageSource, batch_indices, masked_bce_with_logits, masked_cross_entropy,
@@ -54,10 +55,37 @@ def fedavg_weights(updates: List[SiteUpdate]) -> Dict[str, np.ndarray]:
     return out
 
 
+def average_weights(updates: List[SiteUpdate], ctx: ServerContext) -> Dict[str, np.ndarray]:
+    """The parameters a method averages by weights, combined with ``ctx.weight_rule``: ``mean``
+    is :func:`fedavg_weights` (weighted by ``num_samples``); ``median`` / ``trimmed_mean``
+    (:func:`fedpartial.algorithms.robust.robust_weights`) take every update with a positive
+    ``num_samples`` once, whatever its weight, and say so in ``ctx.report["weight_rule"]``.
+
+    Args:
+        updates: the round's accepted site updates, ``num_samples`` holding the method's weights.
+        ctx: the server context (rule, trim fraction, report).
+
+    Raises:
+        ValueError: when no update has a positive ``num_samples``, or the rule is unknown.
+    """
+    if ctx.weight_rule == "mean":
+        return fedavg_weights(updates)
+    used = [u for u in updates if u.num_samples > 0]
+    if not used:
+        raise ValueError("no site update with a positive sample count to combine "
+                         f"(sites: {', '.join(u.site for u in updates) or 'none'})")
+    report = {"rule": ctx.weight_rule, "sites": [u.site for u in used]}
+    if ctx.weight_rule == "trimmed_mean":
+        report.update(trim_fraction=ctx.trim_fraction, trimmed_per_end=trim_count(len(used), ctx.trim_fraction))
+    ctx.report["weight_rule"] = report
+    return robust_weights([u.weights for u in used], ctx.weight_rule, ctx.trim_fraction)
+
+
 def capped_counts(update: SiteUpdate, key: str, ctx: ServerContext) -> np.ndarray:
     """``update.stats[key]`` (per-class sample counts) capped at the site's sample count, with a
     log line naming the site when a cap applies (a site cannot outweigh the others by reporting
-    more samples than it trained on).
+    more samples than it trained on). The sample count itself is capped by the aggregator at the
+    site's first reported train size (:class:`fedpartial.algorithms.robust.UpdateScreen`).
 
     Args:
         update: the site's update.
@@ -73,10 +101,10 @@ def capped_counts(update: SiteUpdate, key: str, ctx: ServerContext) -> np.ndarra
 
 
 class FedAvgServer(ServerRule):
-    """Plain FedAvg: weights averaged by data size, no statistics."""
+    """Plain FedAvg: weights averaged by data size (or ``ctx.weight_rule``), no statistics."""
 
     def aggregate(self, updates: List[SiteUpdate], ctx: ServerContext):
-        return fedavg_weights(updates), {}
+        return average_weights(updates, ctx), {}
 
 
 def labelled_rows(labels: np.ndarray, label_mask: np.ndarray, task: str) -> np.ndarray:

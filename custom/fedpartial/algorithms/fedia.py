@@ -55,7 +55,7 @@ import numpy as np
 from scipy import ndimage
 
 from fedpartial.algorithms.base import ClientContext, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
-from fedpartial.algorithms.fedavg import fedavg_weights
+from fedpartial.algorithms.fedavg import average_weights
 from fedpartial.algorithms.segmentation import SegmentationSupervisedClient
 from fedpartial.data.types import DataError
 
@@ -654,12 +654,12 @@ class FedIAServer(ServerRule):
         if weights is None:
             total = float(sum(u.num_samples for u in used)) or 1.0
             ctx.report.update(rule="fedavg", weights={u.site: u.num_samples / total for u in used})
-            return fedavg_weights(updates), {"completeness_aware": 0}
+            return average_weights(updates, ctx), {"completeness_aware": 0}
         ctx.report.update(rule="completeness_aware", weights={u.site: float(w) for u, w in zip(used, weights)})
         ctx.log(f"FedIA round {ctx.round}: completeness-aware weights "
                 + ", ".join(f"{u.site}={w:.4f}" for u, w in zip(used, weights)))
-        # fedavg_weights averages by num_samples / total: give it the weights instead.
+        # average_weights averages by num_samples / total: give it the weights instead.
         reweighted = [dataclasses.replace(u, num_samples=float(w)) for u, w in zip(used, weights) if w > 0]
         if not reweighted:  # every weight underflowed: cannot happen after the max-shift, but never NaN
-            return fedavg_weights(updates), {"completeness_aware": 0}
-        return fedavg_weights(reweighted), {"completeness_aware": 1}
+            return average_weights(updates, ctx), {"completeness_aware": 0}
+        return average_weights(reweighted, ctx), {"completeness_aware": 1}

@@ -89,7 +89,7 @@ import torch.nn.functional as F
 
 from fedpartial.algorithms.base import ClientContext, ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, \
     SiteUpdate
-from fedpartial.algorithms.fedavg import fedavg_weights, labelled_rows
+from fedpartial.algorithms.fedavg import average_weights, labelled_rows
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL
 from fedpartial.training.common import (EMATeacher, ImageSource, batch_indices, masked_bce_with_logits,
@@ -738,7 +738,7 @@ class FedIRMServer(ServerRule):
 
     def aggregate(self, updates: List[SiteUpdate], ctx: ServerContext) -> Tuple[Dict[str, np.ndarray], dict]:
         weighted = weighted_by_label_status(updates, self.unlabelled_weight)
-        weights = fedavg_weights(weighted)  # raises, naming the sites, when none has samples
+        weights = average_weights(weighted, ctx)  # raises, naming the sites, when none has samples
         total = float(sum(u.num_samples for u in weighted if u.num_samples > 0))
         ctx.report["weights"] = {u.site: u.num_samples / total for u in weighted if u.num_samples > 0}
         labelled = [u for u in updates if (u.stats or {}).get(RELATION_MATRIX) is not None]

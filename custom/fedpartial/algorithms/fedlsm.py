@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
-from fedpartial.algorithms.fedavg import capped_counts, fedavg_weights
+from fedpartial.algorithms.fedavg import average_weights, capped_counts
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, DataError
 from fedpartial.training.common import (EMATeacher, ImageSource, iteration_batches, probabilities, round_seed,
@@ -648,7 +648,7 @@ class AWPAServer(ServerRule):
                 raise ValueError(f"site '{update.site}': statistic '{key}' has negative values")
 
     def aggregate(self, updates: List[SiteUpdate], ctx: ServerContext):
-        weights = fedavg_weights(updates)  # feature extractor, BN buffers, and the fallback rows
+        weights = average_weights(updates, ctx)  # feature extractor, BN buffers, and the fallback rows
         used = [u for u in updates if u.num_samples > 0]
         sizes = np.array([u.num_samples for u in used], dtype=np.float64)
         self._num_classes(used[0], ctx)  # raises when the context names no classifier parameter
@@ -665,8 +665,9 @@ class AWPAServer(ServerRule):
             shares = np.divide(row_weights, totals, out=np.zeros_like(row_weights), where=totals > 0)
             ctx.report["class_row_weights"] = {u.site: shares[i].tolist() for i, u in enumerate(used)}
         stats = {}
-        pos = [np.asarray(u.stats["label_pos"], dtype=np.float64) for u in updates if "label_pos" in u.stats]
-        neg = [np.asarray(u.stats["label_neg"], dtype=np.float64) for u in updates if "label_neg" in u.stats]
+        # annotated counts cannot exceed the site's samples: capped like the class counts
+        pos = [capped_counts(u, "label_pos", ctx) for u in updates if "label_pos" in u.stats]
+        neg = [capped_counts(u, "label_neg", ctx) for u in updates if "label_neg" in u.stats]
         if pos and neg and len(pos) == len(neg):
             stats["label_pos"], stats["label_neg"] = np.sum(pos, axis=0), np.sum(neg, axis=0)
             stats["pos_weight"] = pos_weight_from_counts(stats["label_pos"], stats["label_neg"], self.max_pos_weight)

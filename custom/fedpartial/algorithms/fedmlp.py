@@ -94,7 +94,7 @@ import torch
 import torch.nn.functional as F
 
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
-from fedpartial.algorithms.fedavg import capped_counts, fedavg_weights
+from fedpartial.algorithms.fedavg import average_weights, capped_counts
 from fedpartial.algorithms.fedlsm import average_classifier_rows
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, DataError
@@ -897,7 +897,7 @@ class FedMLPServer(ServerRule):
             raise ValueError(f"FedMLP stat 'learning_degree' from site '{update.site}' must lie in [0, 1]")
 
     def aggregate(self, updates: List[SiteUpdate], ctx: ServerContext):
-        weights = fedavg_weights(updates)
+        weights = average_weights(updates, ctx)
         if self.classifier_rows == "annotated":
             weights.update(annotated_rows(updates, ctx.classifier_param_names))
         with_stats = [u for u in updates if u.num_samples > 0 and u.stats and "prototypes_neg" in u.stats]

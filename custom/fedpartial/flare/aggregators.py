@@ -18,8 +18,9 @@ from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.algorithms.base import ServerContext, SiteUpdate
-from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, atomic_write_json, build_model_from_settings,
-                                     build_rule, import_class, jsonable, model_settings)
+from fedpartial.algorithms.robust import WEIGHT_RULES, UpdateScreen, trim_count
+from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE, atomic_write_json,
+                                     build_model_from_settings, build_rule, import_class, jsonable, model_settings)
 from fedpartial.metrics.segmentation import pooled_validation
 
 METRICS_FILE = "metrics.json"
@@ -66,7 +67,8 @@ def classifier_names(model: dict, rule: str) -> List[str]:
 
 
 class RuleAggregator(Aggregator):
-    """Collects site updates, rejects malformed ones (logged with the site's name), and
+    """Collects site updates, rejects malformed ones (logged with the site's name), caps sample
+    counts and rejects outlying updates (:class:`fedpartial.algorithms.robust.UpdateScreen`), and
     aggregates the rest with the method's server rule.
 
     Args:
@@ -75,27 +77,44 @@ class RuleAggregator(Aggregator):
         model: the job's ``model`` block (``"{model}"``); it names the classifier parameters
             that class-wise rules (FedLSM, FedMLP, FedIRM) average and check. Required by those
             rules: the aggregator refuses to start without it.
-        min_valid_updates: a round with fewer valid updates fails with a clear message.
+        min_valid_updates: a round with fewer valid updates (after the norm check) fails with a
+            clear message.
         min_sites_for_shared_stats: a summed statistic (the rule's ``summed_stats``: per-class
             counts added over sites) goes back to the sites only when at least this many sites
             contributed to it; with fewer (two), each site could subtract its own counts from the
             sum and read the other's. Default 3; 0 or 1 = always send.
+        cap_samples: cap a site's sample count at the train size it reported with its first
+            update of the job (honest sites never report more: no effect on them).
+        max_norm_ratio: reject an update whose distance to the global model is more than this
+            multiple of the round's median distance, with its statistics (None: no check).
+        weight_rule: ``mean`` (the method's weighted average), ``median`` or ``trimmed_mean``
+            (coordinate-wise, unweighted) for the parameters each method averages by weights.
+        trim_fraction: for ``trimmed_mean``: floor(fraction x sites) values dropped at each end.
     """
 
     def __init__(self, rule: str = "fedpartial.algorithms.fedavg.FedAvgServer", rule_args: dict = None,
-                 model: dict = None, min_valid_updates: int = 1, min_sites_for_shared_stats: int = 3):
+                 model: dict = None, min_valid_updates: int = 1, min_sites_for_shared_stats: int = 3,
+                 cap_samples: bool = True, max_norm_ratio: float = 10.0, weight_rule: str = "mean",
+                 trim_fraction: float = 0.2):
         super().__init__()
         if int(min_sites_for_shared_stats) < 0:
             raise ValueError(f"RuleAggregator min_sites_for_shared_stats must be >= 0, got {min_sites_for_shared_stats}")
         self.min_sites_for_shared_stats = int(min_sites_for_shared_stats)
         self._warned_withheld = set()
+        if weight_rule not in WEIGHT_RULES:
+            raise ValueError(f"aggregator weight_rule '{weight_rule}' unknown; choose one of {WEIGHT_RULES}")
+        trim_count(1, trim_fraction)  # raises for a fraction outside [0, 0.5)
         self.rule_path = rule
         self.rule = build_rule(rule, rule_args)
         self.classifier_names = classifier_names(model, rule)
         self.min_valid_updates = int(min_valid_updates)
+        self.screen = UpdateScreen(cap_samples=cap_samples, max_norm_ratio=max_norm_ratio)
+        self.weight_rule, self.trim_fraction = weight_rule, float(trim_fraction)
         self.updates: List[SiteUpdate] = []
         self.rejected: Dict[str, str] = {}
+        self.capped: Dict[str, str] = {}
         self.history: List[dict] = []
+        self._restored = False
 
     def _global(self, fl_ctx: FLContext):
         learnable = fl_ctx.get_prop(AppConstants.GLOBAL_MODEL)
@@ -109,7 +128,8 @@ class RuleAggregator(Aggregator):
         return ServerContext(round=int(fl_ctx.get_prop(AppConstants.CURRENT_ROUND, 0) or 0),
                              num_rounds=int(fl_ctx.get_prop(AppConstants.NUM_ROUNDS, 1) or 1),
                              classifier_param_names=list(self.classifier_names), global_weights=weights,
-                             global_stats=stats, log=lambda m: self.log_info(fl_ctx, m))
+                             global_stats=stats, log=lambda m: self.log_info(fl_ctx, m),
+                             weight_rule=self.weight_rule, trim_fraction=self.trim_fraction)
 
     def _reject(self, fl_ctx, site, why) -> bool:
         self.rejected[site] = why
@@ -117,6 +137,7 @@ class RuleAggregator(Aggregator):
         return False
 
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
+        self._restore(fl_ctx)
         site = shareable.get_peer_prop(key=ReservedKey.IDENTITY_NAME, default="?")
         rc = shareable.get_return_code()
         if rc and rc != ReturnCode.OK:
@@ -136,6 +157,9 @@ class RuleAggregator(Aggregator):
             num_samples = dxo.get_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND)
             if not isinstance(num_samples, (int, np.integer)) or num_samples < 0:
                 raise ValueError(f"sample count {num_samples!r} is not a non-negative integer")
+            train_size = dxo.get_meta_prop(SITE_TRAIN_SIZE)
+            if train_size is not None and (not isinstance(train_size, (int, np.integer)) or train_size < 0):
+                raise ValueError(f"train size {train_size!r} is not a non-negative integer")
             update = SiteUpdate(site=site, weights=dxo.data, num_samples=int(num_samples),
                                 stats=dxo.get_meta_prop(SITE_STATS) or {},
                                 metrics=dxo.get_meta_prop(SITE_METRICS) or {})
@@ -143,12 +167,26 @@ class RuleAggregator(Aggregator):
             self.rule.check_stats(update, self._context(fl_ctx))
         except Exception as e:
             return self._reject(fl_ctx, site, str(e))
+        changed = self.screen.pin(site, None if train_size is None else int(train_size), update.num_samples)
+        if changed:
+            self.log_warning(fl_ctx, f"site '{site}' {changed}")
+        capped = self.screen.cap(update)  # before the rule sees it: every count-based weight uses the cap
+        if capped:
+            self.capped[site] = capped
+            self.log_warning(fl_ctx, f"site '{site}' {capped}")
         self.updates.append(update)
         self.log_info(fl_ctx, f"accepted the update of site '{site}' ({update.num_samples} samples)")
         return True
 
     def aggregate(self, fl_ctx: FLContext) -> Shareable:
+        self._restore(fl_ctx)
         ctx = self._context(fl_ctx)
+        # a rejected update goes with its statistics: both come from the same local training
+        self.updates, outliers, trust = self.screen.screen(self.updates, ctx.global_weights)
+        for site, why in outliers.items():
+            self._reject(fl_ctx, site, why)
+        ctx.report["trust"] = {**trust, "capped": dict(self.capped), "rejected": dict(self.rejected),
+                               "train_sizes": dict(self.screen.train_sizes)}
         valid = [u for u in self.updates if u.num_samples > 0]
         if len(valid) < self.min_valid_updates:
             rejected = "; ".join(f"{s}: {w}" for s, w in self.rejected.items()) or "none"
@@ -194,14 +232,32 @@ class RuleAggregator(Aggregator):
                                          "each site could subtract its own counts and read the other's")
         return out
 
-    def _record(self, fl_ctx: FLContext, round_num: int, report: dict = None) -> None:
-        """Append this round's per-site metrics, and what the server rule decided (``server``:
-        per-site weights and the statistics behind them), to metrics.json in the server's run folder."""
+    def _metrics_path(self, fl_ctx: FLContext) -> str:
         run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
-        path = os.path.join(run_dir, METRICS_FILE)
-        if not self.history and os.path.isfile(path):  # a server resumed from a snapshot keeps earlier rounds
-            with open(path) as f:
-                self.history = [r for r in json.load(f).get("rounds", []) if r.get("round", -1) < round_num]
+        return os.path.join(run_dir, METRICS_FILE)
+
+    def _restore(self, fl_ctx: FLContext) -> None:
+        """Once per server start: a server resumed from a snapshot keeps the earlier rounds of
+        metrics.json and the train sizes the sites reported first (so the cap survives a restart)."""
+        if self._restored:
+            return
+        self._restored = True
+        path = self._metrics_path(fl_ctx)
+        if self.history or not os.path.isfile(path):
+            return
+        round_num = int(fl_ctx.get_prop(AppConstants.CURRENT_ROUND, 0) or 0)
+        with open(path) as f:
+            self.history = [r for r in json.load(f).get("rounds", []) if r.get("round", -1) < round_num]
+        for entry in self.history:
+            for site, size in ((entry.get("server") or {}).get("trust") or {}).get("train_sizes", {}).items():
+                self.screen.train_sizes.setdefault(site, int(size))
+
+    def _record(self, fl_ctx: FLContext, round_num: int, report: dict = None) -> None:
+        """Append this round's per-site metrics, and what the server decided (``server``: per-site
+        weights and the statistics behind them; ``trust``: capped and rejected sites and why, update
+        norms), to metrics.json in the server's run folder."""
+        path = self._metrics_path(fl_ctx)
+        self.history = [r for r in self.history if r.get("round", -1) < round_num]
         self.history.append({"round": round_num, "aggregated_at": time.time(),
                              "sites": {u.site: {"num_samples": u.num_samples, **u.metrics,
                                                 "bytes_weights": payload_bytes(u.weights),
@@ -213,3 +269,4 @@ class RuleAggregator(Aggregator):
     def reset(self, fl_ctx: FLContext):
         self.updates = []
         self.rejected = {}
+        self.capped = {}

@@ -13,6 +13,8 @@ import numpy as np
 GLOBAL_STATS = "global_stats"
 SITE_STATS = "site_stats"
 SITE_METRICS = "site_metrics"
+# the size of the site's train split, sent with every update: the server caps sample counts at the first
+SITE_TRAIN_SIZE = "site_train_size"
 
 
 def runtime_version_error(required: str, where: str) -> str:

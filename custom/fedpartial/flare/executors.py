@@ -17,8 +17,8 @@ from nvflare.apis.signal import Signal
 from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.algorithms.base import ClientContext, RoundInput
-from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, build_model_from_settings, build_rule,
-                                     model_settings, runtime_description, runtime_version_error)
+from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE, build_model_from_settings,
+                                     build_rule, model_settings, runtime_description, runtime_version_error)
 from fedpartial.training.common import (check_memory_format, load_state_numpy, place_model, select_device,
                                         state_dict_numpy)
 
@@ -265,6 +265,7 @@ class FedPartialExecutor(Executor):
         out.set_meta_prop(MetaKey.INITIAL_METRICS, val_metrics)
         out.set_meta_prop(SITE_STATS, result.stats)
         out.set_meta_prop(SITE_METRICS, metrics)
+        out.set_meta_prop(SITE_TRAIN_SIZE, len(self.data.splits["train"]))
         return out.to_shareable()
 
     def _validate_task(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
