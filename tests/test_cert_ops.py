@@ -95,7 +95,7 @@ def _wait_log(path: Path, text: str, timeout: float) -> bool:
     return False
 
 
-def test_a_site_joins_with_its_own_private_key(system):
+def test_a_site_joins_with_its_own_private_key_and_is_disabled_again(system):
     root, env = system["root"], dict(system["env"], PYTHON=sys.executable)
     site_dir, admin_dir = root / "site-3-machine", root / "admin-machine"
     site_dir.mkdir()
@@ -117,6 +117,22 @@ def test_a_site_joins_with_its_own_private_key(system):
         (system["prod"] / "site-1" / "startup" / "rootCA.pem").read_bytes()
     system["system"].start(kit, "site-3")
     assert deploy.wait_for_clients(system["session"], ["site-1", "site-3"], timeout=90) == ["site-1", "site-3"]
+
+    # removing it again: disabled, dropped, and refused when it tries to register after a restart.
+    # One test with the join: the module's system may be rebuilt between tests (xdist runs the
+    # deployment group's tests in its own order), so no test relies on another's site.
+    session = system["session"]
+    result = session.disable_client("site-3")
+    assert result["clients"][0]["state"] == "disabled" and result["clients"][0]["credential_revoked"] is False
+    server_log = system["prod"] / "localhost" / "log.txt"
+    assert _wait_log(server_log, "Client site-3 disabled", 10)
+    assert "site-3" not in [c.name for c in session.get_connected_client_list()]
+    system["system"].stop("site-3")
+    system["system"].start(kit, "site-3")
+    assert _wait_log(server_log, "Reject disabled client registration: site-3", 60)
+    assert "site-3" not in [c.name for c in session.get_connected_client_list()]
+    assert json.loads((system["prod"] / "localhost" / "disabled_clients.json").read_text()) == \
+        {"disabled_clients": ["site-3"]}
 
 
 def test_a_renewed_kit_registers_after_a_restart_and_expires_later(system):
@@ -175,23 +191,6 @@ def test_an_expired_certificate_of_the_right_root_ca_is_refused(system, tmp_path
     # control: the same certificate valid for one more day is answered
     assert _tls_reply(*issue(now + datetime.timedelta(days=1)), ca, system["port"], tmp_path).startswith(b"HTTP/1.1")
     assert _tls_reply(*issue(now - datetime.timedelta(minutes=1)), ca, system["port"], tmp_path) == b""
-
-
-def test_a_disabled_site_is_dropped_and_cannot_register_again(system):
-    session = system["session"]
-    result = session.disable_client("site-3")
-    assert result["clients"][0]["state"] == "disabled" and result["clients"][0]["credential_revoked"] is False
-    server_log = system["prod"] / "localhost" / "log.txt"
-    assert _wait_log(server_log, "Client site-3 disabled", 10)
-    assert "site-3" not in [c.name for c in session.get_connected_client_list()]
-    # restarted, it tries to register again: refused, never listed
-    kit = system["root"] / "site-3-machine" / "kits" / PROJECT / "prod_00" / "site-3"
-    system["system"].stop("site-3")
-    system["system"].start(kit, "site-3")
-    assert _wait_log(server_log, "Reject disabled client registration: site-3", 60)
-    assert "site-3" not in [c.name for c in session.get_connected_client_list()]
-    assert json.loads((system["prod"] / "localhost" / "disabled_clients.json").read_text()) == \
-        {"disabled_clients": ["site-3"]}
 
 
 def test_a_job_needing_more_sites_than_connected_is_refused_before_submit(system, tmp_path):
