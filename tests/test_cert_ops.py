@@ -11,8 +11,6 @@ One system (server + site-1) is shared by the module; a finalizer kills every pr
 """
 import datetime
 import json
-import socket
-import ssl
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedpartial_tools import deploy
+from helpers import tls_reply
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"),
@@ -156,16 +155,7 @@ def _tls_reply(cert_pem: bytes, key_pem: bytes, ca: Path, port: int, tmp: Path) 
     """What the server answers a plain HTTPS request made with this certificate (b"" = dropped)."""
     (tmp / "c.crt").write_bytes(cert_pem)
     (tmp / "c.key").write_bytes(key_pem)
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca))
-    ctx.check_hostname = False
-    ctx.load_cert_chain(str(tmp / "c.crt"), str(tmp / "c.key"))
-    with socket.create_connection(("localhost", port), timeout=10) as raw:
-        try:
-            with ctx.wrap_socket(raw, server_hostname="localhost") as s:
-                s.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
-                return s.recv(64)
-        except (ssl.SSLError, ConnectionError):
-            return b""
+    return tls_reply(tmp / "c.crt", tmp / "c.key", ca, port)
 
 
 def test_an_expired_certificate_of_the_right_root_ca_is_refused(system, tmp_path):

@@ -8,29 +8,20 @@ import numpy as np
 import pytest
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
 from nvflare.apis.fl_constant import ReservedKey, ReturnCode
-from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable
-from nvflare.app_common.abstract.model import make_model_learnable
+from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.flare.aggregators import RuleAggregator, check_weights
 from fedpartial.flare.common import GLOBAL_STATS, SITE_STATS
 from fedpartial_tools.jobtools import apply_overrides
+from helpers import aggregator_fl_ctx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _ctx(tmp_path, round_num=0, global_weights=None):
-    fl_ctx = FLContext()
-    fl_ctx.set_prop(AppConstants.CURRENT_ROUND, round_num, private=True, sticky=False)
-    fl_ctx.set_prop(AppConstants.NUM_ROUNDS, 3, private=True, sticky=False)
-    fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(global_weights or {}, {}), private=True,
-                    sticky=False)
-    engine = mock.MagicMock()
-    engine.get_workspace.return_value.get_run_dir.return_value = str(tmp_path)
-    engine.get_component.return_value = None
-    fl_ctx.set_prop("__engine__", engine, private=True, sticky=False)
-    return fl_ctx
+    return aggregator_fl_ctx(tmp_path, round_num, global_weights)
 
 
 def _update(site, w, n, stats=None, round_num=0):

@@ -12,8 +12,6 @@ process group it started and then every FLARE process naming the module's folder
 """
 import json
 import os
-import socket
-import ssl
 import subprocess
 import sys
 import time
@@ -23,6 +21,7 @@ import numpy as np
 import pytest
 
 from fedpartial_tools import deploy
+from helpers import tls_reply
 
 REPO = Path(__file__).resolve().parents[1]
 # aiohttp (inside nvflare's TLS connector) warns about its own API
@@ -176,16 +175,7 @@ def test_org_admin_may_not_submit(system, tmp_path):
 
 def _tls_reply(startup: Path, ca: Path, port: int) -> bytes:
     """What the server answers a plain HTTPS request made with a kit's certificate (b"" = dropped)."""
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca))
-    ctx.check_hostname = False
-    ctx.load_cert_chain(str(startup / "client.crt"), str(startup / "client.key"))
-    with socket.create_connection(("localhost", port), timeout=10) as raw:
-        try:
-            with ctx.wrap_socket(raw, server_hostname="localhost") as s:
-                s.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
-                return s.recv(64)
-        except (ssl.SSLError, ConnectionError):
-            return b""
+    return tls_reply(startup / "client.crt", startup / "client.key", ca, port)
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ import pytest
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
 from nvflare.apis.fl_constant import ReservedKey
 from nvflare.apis.fl_context import FLContext
-from nvflare.app_common.abstract.model import make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.algorithms.base import ServerContext, SiteUpdate
@@ -18,6 +17,7 @@ from fedpartial.algorithms.robust import (UpdateScreen, coordinate_median, norm_
                                           trimmed_mean, update_norm)
 from fedpartial.flare.aggregators import RuleAggregator
 from fedpartial.flare.common import SITE_STATS, SITE_TRAIN_SIZE
+from helpers import aggregator_fl_ctx
 
 
 # ----------------------------------------------------------------------------- the functions
@@ -134,15 +134,7 @@ def test_fedlsm_median_covers_the_body_and_awpa_keeps_the_classifier_rows():
 
 # ----------------------------------------------------------------------------- the FLARE aggregator
 def _ctx(tmp_path, round_num=0, global_weights=None):
-    fl_ctx = FLContext()
-    fl_ctx.set_prop(AppConstants.CURRENT_ROUND, round_num, private=True, sticky=False)
-    fl_ctx.set_prop(AppConstants.NUM_ROUNDS, 3, private=True, sticky=False)
-    fl_ctx.set_prop(AppConstants.GLOBAL_MODEL, make_model_learnable(global_weights or {}, {}), private=True,
-                    sticky=False)
-    engine = mock.MagicMock()
-    engine.get_workspace.return_value.get_run_dir.return_value = str(tmp_path)
-    fl_ctx.set_prop("__engine__", engine, private=True, sticky=False)
-    return fl_ctx
+    return aggregator_fl_ctx(tmp_path, round_num, global_weights)
 
 
 def _update(site, w, n, train_size, round_num=0):
