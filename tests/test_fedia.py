@@ -15,8 +15,9 @@ from fedpartial.algorithms.fedia import (MASKS_FILE, PAPER_CLIENT_GUARDS, PAPER_
                                          correct_masks, correct_masks_lesionwise, correction_triggered, count_lesions,
                                          estimate_completeness,
                                          fit_iou_trend)
-from fedpartial.algorithms.segmentation import (SegmentationSupervisedClient, binary_masks, iou_score,
-                                                train_dice_epoch)
+from fedpartial.algorithms.fedia import NEXT_MASKS_FILE
+from fedpartial.algorithms.segmentation import (MaskSource, SegmentationSupervisedClient, binary_masks, iou_score,
+                                                lesion_flags, mask_chunks, train_dice_epoch)
 from fedpartial.data.types import DataError, Dataset, Split
 
 torch.set_num_threads(1)
@@ -74,7 +75,7 @@ def scripted(client, ious, loss=0.4):
     client.seen_masks = {}
 
     def fake_train_on(model, masks, round_index):
-        client.seen_masks[round_index] = masks.copy()
+        client.seen_masks[round_index] = np.array(masks)
         return loss, ious[round_index], 1
 
     client.train_on = fake_train_on
@@ -96,6 +97,24 @@ def run_with_late_model(client, ctx, first_map, rounds=6, switch_round=4):
             model.logit_map.copy_(torch.as_tensor(predicted_map()))
         outs.append(run_round(client, model, r))
     return outs
+
+
+# ----------------------------------------------------------------------------- masks read lazily
+def test_mask_source_reads_rows_as_binary_from_a_memory_map(tmp_path):
+    labels = np.zeros((5, 4, 4), dtype=np.uint8)
+    labels[1, 0, 0] = 2  # any id > 0 is foreground
+    labels[3, 2:4, 2:4] = 7
+    labels[4, 1, 1] = 1
+    np.save(tmp_path / "labels.npy", labels)
+    source = MaskSource(np.load(tmp_path / "labels.npy", mmap_mode="r"))
+    assert len(source) == 5 and source.shape == (5, 4, 4)
+    rows = source[np.array([4, 1, 3])]  # asked order kept although the map is read sorted
+    assert rows.dtype == np.uint8 and rows.tolist() == (labels[[4, 1, 3]] > 0).astype(np.uint8).tolist()
+    assert int(source[3].sum()) == 4 and int(source[1:3].sum()) == 1
+    # images 1, 3, 4 have a lesion; blocks of 2 images: rows 0-1, 2-3, 4
+    assert lesion_flags(source, chunk=2).tolist() == [False, True, False, True, True]
+    assert [(r.start, r.stop, len(b)) for r, b in mask_chunks(source, chunk=2)] == [(0, 2, 2), (2, 4, 2), (4, 5, 1)]
+    assert np.array_equal(np.asarray(source), labels > 0)
 
 
 # ----------------------------------------------------------------------------- lesion counting
@@ -363,6 +382,10 @@ def test_client_estimates_triggers_corrects_once_and_survives_restart(tmp_path):
     assert (client.seen_masks[3] >= site).all()  # never 1 -> 0
     assert np.array_equal(ctx.data.splits["train"].labels, site)  # the site data is untouched
     assert os.path.exists(tmp_path / "state" / MASKS_FILE)
+    # the corrected masks are the state folder's file, memory-mapped, not a copy in memory
+    assert isinstance(client.masks, np.memmap) and client.masks.filename == str(tmp_path / "state" / MASKS_FILE)
+    assert not os.path.exists(tmp_path / "state" / NEXT_MASKS_FILE)
+    assert int(np.load(tmp_path / "state" / MASKS_FILE).sum()) == int(site.sum()) + 12
     # correct once: IoU 0.1 far below the trend at round 3 does not trigger again
     assert "iou_trend" not in out3.metrics and out3.metrics["correction_triggered"] == 0
 
@@ -379,6 +402,19 @@ def test_client_estimates_triggers_corrects_once_and_survives_restart(tmp_path):
     assert np.array_equal(again.seen_masks[4], client.masks)
     saved = json.loads((tmp_path / "state" / STATE_FILE).read_text())
     assert saved["mask_shape"] == [2, 8, 8]
+
+
+def test_restart_with_unreadable_corrected_masks_names_the_file(tmp_path):
+    site, _ = lesion_masks()
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / STATE_FILE).write_text(json.dumps({"corrected": True, "mask_shape": [2, 8, 8]}))
+    (state / MASKS_FILE).write_bytes(b"not a numpy file")
+    with pytest.raises(DataError, match=f"corrected masks {state / MASKS_FILE} cannot be read"):
+        FedIAClient(warmup_rounds=2).setup(make_ctx(tmp_path, site))
+    np.save(state / MASKS_FILE, np.zeros((3, 8, 8), dtype=np.uint8))  # another site's / run's masks
+    with pytest.raises(DataError, match=r"are uint8 \(3, 8, 8\), the site's train masks are uint8 \(2, 8, 8\)"):
+        FedIAClient(warmup_rounds=2).setup(make_ctx(tmp_path, site))
 
 
 def test_client_warmup_from_first_lesion_defers_estimate_and_trend(tmp_path):

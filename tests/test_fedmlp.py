@@ -555,3 +555,40 @@ def test_paper_profile_holds_the_paper_values():
     server, client = FedMLPServer(**PAPER_SERVER), FedMLPClient(**PAPER_CLIENT)
     assert (server.warmup_end, client.warmup_end, client.la_prior, client.cr_in_warmup) == (
         "rounds", "rounds", "local", False)
+
+
+def test_one_backward_per_view_gives_the_gradient_of_the_views_mean_loss(tmp_path, monkeypatch):
+    """The client back-propagates each augmented view on its own (one view's activations alive at
+    a time); the step must be the one of a single backward through the mean of the views' losses."""
+    import copy
+
+    # plain SGD with lr 1, so the step is the gradient itself (Adam's first step is about lr * sign)
+    monkeypatch.setattr(torch.optim, "Adam", lambda params, lr, betas, weight_decay: torch.optim.SGD(params, lr=lr))
+    data, _ = _site_data()
+    client = _client(batch_size=N, num_views=2, use_cr=False, lr=1.0)  # one step over all 40 images
+    client.setup(_ctx(tmp_path, data))
+    views = [lambda x: x, lambda x: x.flip(-1)]  # deterministic views instead of random flips
+    calls = []
+
+    def augment(x):
+        calls.append(1)
+        return views[(len(calls) - 1) % 2](x)
+
+    client._augment = augment
+    model = _model()
+    expected = copy.deepcopy(model)
+    client.train_round(model, RoundInput(round=0, num_rounds=4))
+    assert len(calls) == 2
+
+    # by hand: the same batch (its order does not change a mean), one backward through the mean loss
+    targets, weights, cr = (torch.from_numpy(a) for a in loss_entries(client.labels_np, client.mask_np, client.tags))
+    offset = logit_adjustment(positive_rates(targets, 1.0 - cr), client.la_tau, client.la_eps)
+    x = client.images.batch(np.arange(N))
+    optimizer = torch.optim.SGD(expected.parameters(), lr=1.0)
+    expected.train()
+    loss = sum(wpc_loss(expected(view(x))[1], targets, weights, offset) for view in views) / 2
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    for (name, got), want in zip(model.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)

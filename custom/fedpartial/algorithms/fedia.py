@@ -17,7 +17,8 @@ Client (:class:`FedIAClient`), round ``r`` (0-based; the paper's round ``t = r +
    in the paper: whole confident predicted lesions that touch no annotated one). Once, permanently, by default
    (the reference code); ``correct_repeatedly=True`` re-checks the trigger after a correction;
    ``retry_empty_correction=True`` (ours) does not count a correction that changed no pixel.
-   Corrected masks live in ``ctx.state_dir``; the site file is never modified.
+   Corrected masks live in ``ctx.state_dir`` as a memory-mapped ``.npy`` (written batch by batch,
+   never held whole in memory); the site file is never modified.
 
 Stats sent every round: ``mean_loss``, ``iou``, ``completeness`` (â_k; 1.0 until estimated),
 ``completeness_ready`` (0/1), ``corrected`` (0/1).
@@ -56,11 +57,13 @@ from scipy import ndimage
 
 from fedpartial.algorithms.base import ClientContext, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
 from fedpartial.algorithms.fedavg import average_weights
-from fedpartial.algorithms.segmentation import SegmentationSupervisedClient
+from fedpartial.algorithms.segmentation import MaskSource, SegmentationSupervisedClient, mask_chunks
 from fedpartial.data.types import DataError
 
 STATE_FILE = "fedia_state.json"
-MASKS_FILE = "fedia_corrected_masks.npz"
+MASKS_FILE = "fedia_corrected_masks.npy"
+#: where a correction pass writes before the new masks are adopted
+NEXT_MASKS_FILE = "fedia_corrected_masks.next.npy"
 STAT_KEYS = ("mean_loss", "iou", "completeness", "completeness_ready", "corrected")
 #: the paper's rule without our guards (``--set`` these for the paper's weighting)
 PAPER_CLIENT_GUARDS = {"completeness_cap": None, "min_predicted_ratio": 0.0}
@@ -395,31 +398,41 @@ class FedIAClient(SegmentationSupervisedClient):
                                 f"{tuple(shape)}, the site file has {self.original_masks.shape}; remove the stale "
                                 f"state folder or point the job at the right data")
             if self.state["corrected"]:
-                if not os.path.exists(self.masks_path):
-                    raise DataError(f"site '{ctx.site}': FedIA state says the masks were corrected but "
-                                    f"{self.masks_path} is missing")
-                with np.load(self.masks_path) as saved:
-                    self.masks = saved["masks"].astype(np.uint8)
+                self.masks = self._load_corrected(ctx)
             ctx.log(f"site '{ctx.site}': FedIA state restored from {ctx.state_dir} "
                     f"({len(self.state['iou_history'])} rounds of IoU, completeness={self.state['completeness']}, "
                     f"corrected={self.state['corrected']})")
         self.state["mask_shape"] = list(self.original_masks.shape)
 
+    def _load_corrected(self, ctx: ClientContext) -> np.ndarray:
+        """The corrected masks of an earlier run, memory-mapped read-only from the state folder."""
+        if not os.path.exists(self.masks_path):
+            raise DataError(f"site '{ctx.site}': FedIA state says the masks were corrected but "
+                            f"{self.masks_path} is missing")
+        try:
+            masks = np.load(self.masks_path, mmap_mode="r")
+        except (ValueError, OSError) as e:
+            raise DataError(f"site '{ctx.site}': corrected masks {self.masks_path} cannot be read ({e}); remove "
+                            f"the state folder {ctx.state_dir} to start the site's FedIA state afresh") from e
+        if masks.shape != self.original_masks.shape or masks.dtype != np.uint8:
+            raise DataError(f"site '{ctx.site}': corrected masks {self.masks_path} are {masks.dtype} "
+                            f"{masks.shape}, the site's train masks are uint8 {self.original_masks.shape}")
+        return masks
+
     @staticmethod
-    def _reference_masks(ctx: ClientContext) -> Optional[np.ndarray]:
+    def _reference_masks(ctx: ClientContext) -> Optional[MaskSource]:
         """Complete masks for the correction diagnostics only (None unless the job enables them)."""
         if ctx.reference is None or "train" not in ctx.reference.splits:
             return None
-        ref = np.asarray(ctx.reference.splits["train"].labels) > 0
+        ref = ctx.reference.splits["train"].labels
         if ref.shape != ctx.data.splits["train"].labels.shape:
             raise DataError(f"site '{ctx.site}': reference train masks have shape {ref.shape}, the site file "
                             f"has {ctx.data.splits['train'].labels.shape}")
-        return ref
+        return MaskSource(ref)
 
     def save_state(self) -> None:
-        """Write the state (and the corrected masks, when any) atomically under ``ctx.state_dir``."""
-        if self.state["corrected"]:
-            _atomic_write(self.masks_path, lambda h: np.savez_compressed(h, masks=self.masks))
+        """Write the state atomically under ``ctx.state_dir`` (corrected masks are already there:
+        :meth:`correct` moved them in place)."""
         text = json.dumps(self.state, indent=1, sort_keys=True).encode("utf-8")
         _atomic_write(self.state_path, lambda h: h.write(text))
 
@@ -437,7 +450,11 @@ class FedIAClient(SegmentationSupervisedClient):
             ``(predicted_lesions, corrected_masks or None, pixels_changed)``.
         """
         n_predicted, changed = 0, 0
-        new = np.empty_like(self.masks) if correct else None
+        new = None
+        if correct:  # written to disk as it goes: a whole split of masks is never held in memory
+            os.makedirs(self.ctx.state_dir, exist_ok=True)
+            new = np.lib.format.open_memmap(os.path.join(self.ctx.state_dir, NEXT_MASKS_FILE), mode="w+",
+                                            dtype=np.uint8, shape=tuple(self.original_masks.shape))
         for rows, probs in self.predict_batches(model):
             if count:
                 n_predicted += int(count_lesions(probs > self.prob_threshold, self.connectivity).sum())
@@ -448,12 +465,15 @@ class FedIAClient(SegmentationSupervisedClient):
                 else:
                     new[rows], c = correct_masks(self.masks[rows], probs, self.correction_threshold)
                 changed += c
+        if new is not None:
+            new.flush()
         return n_predicted, new, changed
 
     def estimate(self, n_predicted: int, round_index: Optional[int] = None) -> None:
         """Completeness (eq. 3) from the lesions the warm-up model predicts (:meth:`scan`), and the
         IoU trend (eq. 6) over the rounds before ``round_index`` (default: the warm-up rounds)."""
-        n_annotated = int(count_lesions(self.original_masks, self.connectivity).sum())
+        n_annotated = sum(int(count_lesions(block, self.connectivity).sum())
+                          for _, block in mask_chunks(self.original_masks))
         a_k = completeness_ratio(n_annotated, n_predicted)
         if a_k is None and self.warmup_from_first_lesion:
             self.ctx.log(f"site '{self.ctx.site}': the global model predicts no lesion yet; completeness "
@@ -487,8 +507,13 @@ class FedIAClient(SegmentationSupervisedClient):
                      f"predicted lesions), IoU trend {self.state['trend']}")
 
     def correct(self, corrected: np.ndarray, changed: int, round_index: int) -> int:
-        """Adopt the masks the correction rule gave (:meth:`scan`); returns the pixels changed."""
-        self.masks = corrected
+        """Adopt the masks the correction rule gave (:meth:`scan`, a memory map in the state
+        folder): they replace the site's corrected-masks file; returns the pixels changed."""
+        corrected.flush()
+        next_path = corrected.filename
+        del corrected
+        os.replace(next_path, self.masks_path)
+        self.masks = np.load(self.masks_path, mmap_mode="r")
         self.state["correction_pending"] = False
         if changed == 0 and self.retry_empty_correction and not self.state["corrected"]:
             self.ctx.log(f"site '{self.ctx.site}': no pixel passed the correction threshold at round {round_index}; "
@@ -496,7 +521,8 @@ class FedIAClient(SegmentationSupervisedClient):
             return 0
         self.state["corrected"] = True
         self.state["correction_rounds"].append(int(round_index))
-        self.state["corrected_pixels_total"] = int((self.masks > self.original_masks).sum())
+        self.state["corrected_pixels_total"] = sum(
+            int((np.asarray(self.masks[rows]) > block).sum()) for rows, block in mask_chunks(self.original_masks))
         self.ctx.log(f"site '{self.ctx.site}': corrected {changed} pixels at round {round_index}")
         return changed
 
@@ -505,17 +531,23 @@ class FedIAClient(SegmentationSupervisedClient):
         out: Dict[str, float] = {}
         if self.reference_masks is None:
             return out
-        ref, orig = self.reference_masks, self.original_masks > 0
-        if self._true_completeness is None:  # fixed for the run: count once
-            self._true_completeness = float(count_lesions(orig, self.connectivity).sum()
-                                            / max(int(count_lesions(ref, self.connectivity).sum()), 1))
+        annotated = complete = added = right = missing = 0
+        count_lesions_now = self._true_completeness is None  # fixed for the run: count once
+        for rows, orig in mask_chunks(self.original_masks):
+            ref = np.asarray(self.reference_masks[rows]) > 0
+            if count_lesions_now:
+                annotated += int(count_lesions(orig, self.connectivity).sum())
+                complete += int(count_lesions(ref, self.connectivity).sum())
+            new = (np.asarray(self.masks[rows]) > 0) & ~orig
+            added, right, missing = added + int(new.sum()), right + int((new & ref).sum()), missing + int(
+                (ref & ~orig).sum())
+        if count_lesions_now:
+            self._true_completeness = float(annotated / max(complete, 1))
         out["true_completeness"] = self._true_completeness
-        added = (self.masks > 0) & ~orig
-        missing = ref & ~orig
-        if added.any():
-            out["corrected_precision"] = float((added & ref).sum() / added.sum())
-        if missing.any():
-            out["corrected_recall_missing"] = float((added & ref).sum() / missing.sum())
+        if added:
+            out["corrected_precision"] = float(right / added)
+        if missing:
+            out["corrected_recall_missing"] = float(right / missing)
         return out
 
     def train_round(self, model, inp: RoundInput) -> RoundResult:

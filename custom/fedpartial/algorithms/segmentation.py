@@ -1,7 +1,9 @@
 """Plain Dice-loss supervised lesion segmentation: the FedAvg segmentation baselines and FedIA's
 warm-up share these pieces.
 
-* :func:`binary_masks` checks a site's train masks and turns them into 0/1 uint8 ``(N, H, W)``;
+* :func:`binary_masks` checks a site's masks and hands them out as 0/1 uint8 ``(N, H, W)`` rows
+  through a :class:`MaskSource` (read batch by batch, as :class:`ImageSource` reads images);
+  :func:`mask_chunks` walks any mask stack block by block for whole-split counts;
 * :func:`train_dice_epoch` runs one local epoch with MONAI ``DiceLoss(sigmoid=True)`` and returns
   the sample-weighted mean loss (FedIA's ℓ_k, eq. 5);
 * :func:`foreground_batches` and :func:`iou_counts` give the IoU of a model on the site's own
@@ -24,11 +26,64 @@ import torch
 
 from fedpartial.algorithms.base import ClientContext, ClientRule, RoundInput, RoundResult
 from fedpartial.data.types import DataError
-from fedpartial.training.common import ImageSource, batch_indices, predict_batches, round_seed, seed_everything
+from fedpartial.training.common import (ImageSource, batch_indices, predict_batches, round_seed, seed_everything,
+                                        take_rows)
 
 
-def binary_masks(ctx: ClientContext, split: str = "train") -> np.ndarray:
-    """The site's ``split`` masks as uint8 0/1 ``(N, H, W)`` (any id > 0 is foreground).
+class MaskSource:
+    """A split's masks (any id > 0 is foreground) handed out as 0/1 uint8 rows, read only when
+    asked for: at 20,000 images of 224 px a whole 0/1 copy is 1 GB, so no client holds one.
+
+    It stands where a uint8 ``(N, H, W)`` array was indexed: ``source[idx]``, ``len``, ``shape``
+    and ``np.asarray(source)`` (the whole split at once: for tests and small stacks only).
+
+    Args:
+        labels: ``(N, H, W)`` integer array or ``np.memmap`` (a site folder's labels).
+    """
+
+    ndim = 3
+
+    def __init__(self, labels: np.ndarray):
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.labels.shape)
+
+    def __getitem__(self, idx) -> np.ndarray:
+        block = self.labels[idx] if isinstance(idx, (slice, int, np.integer)) else take_rows(self.labels, idx)
+        return (np.asarray(block) > 0).astype(np.uint8)
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def mask_chunks(masks, chunk: int = 256) -> Iterator[Tuple[slice, np.ndarray]]:
+    """``(rows, bool block)`` over a mask stack, ``chunk`` images at a time.
+
+    Args:
+        masks: a :class:`MaskSource`, array or memory map of ``(N, H, W)`` masks.
+        chunk: images per block.
+    """
+    for start in range(0, len(masks), int(chunk)):
+        rows = slice(start, min(start + int(chunk), len(masks)))
+        yield rows, np.asarray(masks[rows]) > 0
+
+
+def lesion_flags(masks, chunk: int = 256) -> np.ndarray:
+    """Bool ``(N,)``: which images have any foreground pixel, counted block by block."""
+    flags = np.zeros(len(masks), dtype=bool)
+    for rows, block in mask_chunks(masks, chunk):
+        flags[rows] = block.reshape(len(block), -1).any(axis=1)
+    return flags
+
+
+def binary_masks(ctx: ClientContext, split: str = "train") -> MaskSource:
+    """The site's ``split`` masks as a :class:`MaskSource` of 0/1 uint8 ``(N, H, W)`` rows.
 
     Args:
         ctx: the client context (its ``data`` must be a segmentation dataset).
@@ -43,11 +98,11 @@ def binary_masks(ctx: ClientContext, split: str = "train") -> np.ndarray:
     if split not in data.splits:
         raise DataError(f"{data.where()}: no '{split}' split (have {sorted(data.splits)})")
     part = data.splits[split]
-    masks = np.asarray(part.labels)
-    if masks.ndim != 3 or masks.shape != part.images.shape[:3]:
+    masks = part.labels
+    if masks.ndim != 3 or tuple(masks.shape) != tuple(part.images.shape[:3]):
         raise DataError(f"{data.where()}: key '{split}_labels' has shape {masks.shape}, expected (N, H, W) = "
                         f"{part.images.shape[:3]} to match '{split}_images'")
-    return (masks > 0).astype(np.uint8)
+    return MaskSource(masks)
 
 
 def make_adam(model: torch.nn.Module, lr: float, betas, weight_decay: float) -> torch.optim.Optimizer:
@@ -117,7 +172,8 @@ def train_dice_epoch(model: torch.nn.Module, images, masks: np.ndarray, optimize
     Args:
         model: a segmentation model, ``model(x) -> (features, logits (N, 1, H, W))``; trained in place.
         images: normalised ``(N, C, H, W)`` CPU tensor, or an :class:`ImageSource` (read batch by batch).
-        masks: uint8 0/1 ``(N, H, W)`` targets (the masks the site trains on this round).
+        masks: 0/1 ``(N, H, W)`` targets (the masks the site trains on this round): an array,
+            memory map or :class:`MaskSource`.
         optimizer: optimizer over ``model``'s parameters.
         loss_fn: e.g. :func:`make_dice_loss`; called as ``loss_fn(logits, target)``.
         device: where to train.
@@ -134,7 +190,7 @@ def train_dice_epoch(model: torch.nn.Module, images, masks: np.ndarray, optimize
     n = len(images)
     model.train()
     total, seen, steps = 0.0, 0, 0
-    batches = (lesion_batches(masks.reshape(n, -1).any(axis=1), batch_size, rng, lesion_fraction)
+    batches = (lesion_batches(lesion_flags(masks), batch_size, rng, lesion_fraction)
                if lesion_fraction > 0 else batch_indices(n, int(batch_size), rng, shuffle=True))
     for idx in batches:
         if abort():
@@ -241,7 +297,7 @@ class SegmentationSupervisedClient(ClientRule):
 
     def setup(self, ctx: ClientContext) -> None:
         super().setup(ctx)
-        self.masks = binary_masks(ctx, "train")
+        self.masks = binary_masks(ctx, "train")  # read batch by batch, as the images
         self.images = ImageSource(ctx.data.splits["train"].images, ctx.normalisation)  # uint8, read batch by batch
         self.loss_fn = make_dice_loss(self.dice_batch, self.loss)
 
