@@ -474,8 +474,9 @@ def test_every_baseline_runs_with_its_methods_model_and_recipe(profile):
 
 
 def test_shipped_method_jobs_are_the_cpu_profile_of_their_tables():
-    """The README's CPU-profile figures are what the jobs do as shipped: the bench's CPU profile
-    changes nothing on a suite's method job except the departures the suite names, with a reason."""
+    """The CPU-profile figures (README's results, docs/RESULTS.md) are what the jobs do as shipped
+    (docs/METHODS.md): the bench's CPU profile changes nothing on a suite's method job except the
+    departures the suite names, with a reason."""
     from fedpartial_tools.bench import profile_departures
 
     for name, suite in bench.SUITES.items():
