@@ -97,7 +97,8 @@ SUITES: Dict[str, Suite] = {
                         # tau80: thresholds picked by validation AUC (seed 0: 0.95 / 0.9 / 0.8) for the
                         # CPU profile's small model, which is rarely 95 % sure.
                         # the job ships renormalise_missing=true (it won: 74 % vs 65 % of the AUC gap, 3 seeds;
-                        # rows measured before were named fedlsm_renormalised / fedlsm); fedlsm_paper = paper rule
+                        # docs/results/results.csv names that row fedlsm_renormalised and the paper rule's
+                        # fedlsm); fedlsm_paper = paper rule
                         variants={"fedlsm_paper": ["rule_args.renormalise_missing=false"],
                                   "fedlsm_tau80": ["rule_args.renormalise_missing=false", "rule_args.tau=0.8",
                                                    "rule_args.tau_l=0.7"]},
@@ -114,10 +115,10 @@ SUITES: Dict[str, Suite] = {
                           "fedavg", "fedavg_full", ["fedavg_partial_loss"], metrics=["auc", "map", "bacc", "f1"],
                           # positive tags capped by the class's prevalence at the annotating sites
                           variants={"fedmlp_prevalence_cap": ["rule_args.positive_tag_cap=prevalence"],
-                                    # issue 19's combination: FedLSM's class-wise row averaging (over the
-                                    # annotating sites) for FedMLP's classifier
+                                    # FedLSM's class-wise row averaging (over the annotating sites) for
+                                    # FedMLP's classifier
                                     "fedmlp_annotated_rows": ["rule_args.classifier_rows=annotated"],
-                                    # issue 19: untagged missing entries count as negatives (weight 1),
+                                    # untagged missing entries count as negatives (weight 1),
                                     # as FedAvg counts them; right for 94-99 % of them at this prevalence
                                     "fedmlp_assumed_negative": ["rule_args.assumed_negative_weight=1.0"]},
                           overrides={"cpu": _CPU_CLS + ["num_rounds=30", "model.input_size=[64,64]"],
@@ -156,10 +157,9 @@ SUITES: Dict[str, Suite] = {
                                            "num_rounds=100"]},
                         # the method's own recipe on the labelled sites alone: the like-for-like lower bound
                         variants={"fedirm_labelled_only": ["rule_args.unlabelled_start_round=1000000"],
-                                  # the job ships our rule (issue 19: lowest-entropy half reliable,
-                                  # unlabelled sites weigh a quarter; it won AUC on every seed, see
-                                  # docs/RESULTS.md; rows measured before call it fedirm_rel50_w025 and the
-                                  # paper rule fedirm): the paper's ln 2 filter and plain sample weighting
+                                  # the job ships our rule (lowest-entropy half reliable, unlabelled
+                                  # sites weigh a quarter; it won AUC on every seed, see docs/RESULTS.md):
+                                  # the paper's ln 2 filter and plain sample weighting
                                   "fedirm_paper": ["rule_args.reliable_fraction=0.0", "rule_args.unlabelled_weight=1.0"]},
                         datasets={"gpu": "ham10000_64.npz"}),
 }
@@ -182,8 +182,8 @@ for _m in range(4):
         # weighting to the end, the row fedia_no_correction compares with
         variants={"fedia_no_correction": ["rule_args.use_correction=false"],
                   "fedia_keep_weighting": ["rule_args.fedavg_after_all_corrected=false"],
-                  # the job ships threshold 0.95 (it won at m = 0..3; rows measured before call it
-                  # fedia_threshold95 and the paper's 0.8 fedia)
+                  # the job ships threshold 0.95 (it won at m = 0..3; docs/results/results.csv names
+                  # that row fedia_threshold95 and the paper's 0.8 fedia)
                   "fedia_paper_threshold": ["rule_args.correction_threshold=0.8"],
                   "fedia_lesionwise": _LESIONWISE, "fedia_lesionwise_late_retry": _LESIONWISE_LATE_RETRY},
         overrides={"cpu": ["num_rounds=30", "model.input_size=[64,64]", "rule_args.lr=0.001"],
@@ -265,7 +265,7 @@ def matched_sets(suite: "Suite", job: str, sets: Sequence[str] = ()) -> List[str
     return out
 
 
-# Small sparse lesions (issue 18): MS-like slices made by fedpartial_tools.synthetic (128 px native,
+# Small sparse lesions: MS-like slices made by fedpartial_tools.synthetic (128 px native,
 # lesions 2-12 px across, 0.2 % of the pixels, 6 of 10 slices empty), the FedIA paper's site
 # completeness, training at native resolution. lesions-m*: the paper's plain Dice loss and uniform
 # batches for every job; lesions-dicece-m*: Dice + cross-entropy and half of each batch from

@@ -55,7 +55,7 @@ mean teacher that is itself still mostly its random start; with no reliable pseu
 0.913 (with ``ramp_scales_lr`` too: 0.911). The teacher is created from the global model of the round
 the site joins.
 
-Options beyond the paper (issue 19; paper values by default): ``reliable_fraction`` keeps the
+Options beyond the paper (paper values by default): ``reliable_fraction`` keeps the
 lowest-entropy share of each batch as reliable instead of the absolute ln 2 threshold, which passed
 11 % of the unlabelled images at round 20 and 0.2 % at round 99 on HAM10000, leaving L_IRM with
 nothing to match; the server's ``unlabelled_weight`` scales the unlabelled sites' sample counts in

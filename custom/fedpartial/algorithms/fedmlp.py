@@ -47,7 +47,7 @@ site never holds more positive tags of a class than the class's prevalence at th
 sends ``prevalence`` with the global prototypes.
 
 Option beyond the paper (``classifier_rows="annotated"`` on the server, off in the paper setting;
-issue 19's "FedLSM's AWPA with FedMLP's prototypes"): the classifier row of class c is averaged
+FedLSM's AWPA with FedMLP's prototypes): the classifier row of class c is averaged
 over the sites that annotate c only (FedLSM's class-wise proxy averaging, with the annotated
 sites' sizes as counts), so that the sites which only tag or regularise c do not dilute the one
 whose ground truth trains it; the body stays FedAvg. Each site sends ``annotated_classes`` (0/1
@@ -117,7 +117,7 @@ LA_PRIORS = ("local", "annotated_frequency")
 
 #: The paper's choice for every option where this module offers another (Sec. 2-3, Algorithm 1):
 #: ``FedMLPClient(**PAPER_CLIENT)``, ``FedMLPServer(**PAPER_SERVER)``; with the paper's schedule
-#: (500 rounds, t1 = 50, lr 3e-5, ResNet-18) on top, see README "the paper's setting".
+#: (500 rounds, t1 = 50, lr 3e-5, ResNet-18) on top, see docs/METHODS.md "the papers' settings".
 PAPER_CLIENT = {"warmup_end": "rounds", "cr_in_warmup": False, "la_prior": "local", "positive_tag_cap": "none",
                 "assumed_negative_weight": 0.0}
 PAPER_SERVER = {"t0": 0.005, "t1": 0.01, "warmup_end": "rounds", "classifier_rows": "fedavg",

@@ -45,9 +45,9 @@ def place_model(model: torch.nn.Module, device: torch.device, memory_format: str
 
     With the default layout PyTorch's CPU kernels run markedly slower on interpolated
     (affine-augmented) images than on raw 8-bit ones; ``channels_last`` narrows that gap and is
-    faster overall on CPU (README, "Throughput"). It changes floating-point rounding, so a seeded
-    run differs from a ``contiguous`` one; the weights sent and saved stay plain C-ordered arrays
-    either way.
+    faster overall on CPU (docs/RESULTS.md, "Throughput and FLARE overhead"). It changes
+    floating-point rounding, so a seeded run differs from a ``contiguous`` one; the weights sent
+    and saved stay plain C-ordered arrays either way.
 
     Args:
         model: the network.
