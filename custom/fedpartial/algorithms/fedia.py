@@ -511,7 +511,6 @@ class FedIAClient(SegmentationSupervisedClient):
         folder): they replace the site's corrected-masks file; returns the pixels changed."""
         corrected.flush()
         next_path = corrected.filename
-        del corrected
         os.replace(next_path, self.masks_path)
         self.masks = np.load(self.masks_path, mmap_mode="r")
         self.state["correction_pending"] = False
