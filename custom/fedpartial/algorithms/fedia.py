@@ -510,9 +510,8 @@ class FedIAClient(SegmentationSupervisedClient):
         """Adopt the masks the correction rule gave (:meth:`scan`, a memory map in the state
         folder): they replace the site's corrected-masks file; returns the pixels changed."""
         corrected.flush()
-        next_path = corrected.filename
-        os.replace(next_path, self.masks_path)
-        self.masks = np.load(self.masks_path, mmap_mode="r")
+        os.replace(corrected.filename, self.masks_path)
+        self.masks = self._load_corrected(self.ctx)
         self.state["correction_pending"] = False
         if changed == 0 and self.retry_empty_correction and not self.state["corrected"]:
             self.ctx.log(f"site '{self.ctx.site}': no pixel passed the correction threshold at round {round_index}; "
