@@ -278,6 +278,23 @@ def test_predict_uint8_equals_predict_of_whole_tensor(tmp_path):
     assert torch.equal(predict_uint8(model, images, norm, torch.device("cpu"), 4), want)
 
 
+def test_predict_fills_the_whole_split_in_order_and_handles_an_empty_source():
+    from fedpartial.models import build_model
+    from fedpartial.training.common import images_to_tensor, predict
+
+    torch.manual_seed(0)
+    model = build_model("small_cnn", 3, 1, width=4, depth=2).eval()
+    x = images_to_tensor(np.random.default_rng(2).integers(0, 256, (11, 12, 12), dtype=np.uint8))
+    with torch.no_grad():  # by hand: batches of 4, 4 and 3, in order
+        parts = [model(x[s:s + 4]) for s in (0, 4, 8)]
+    logits, feats = predict(model.train(), x, torch.device("cpu"), 4, with_features=True)
+    assert logits.shape == (11, 3) and feats.shape[0] == 11
+    assert torch.equal(logits, torch.cat([z for _, z in parts])) and torch.equal(feats, torch.cat([f for f, _ in parts]))
+    assert model.training  # the caller's mode comes back
+    empty = predict(model, x[:0], torch.device("cpu"), 4, with_features=True)
+    assert [t.numel() for t in empty] == [0, 0] and predict(model, x[:0], torch.device("cpu"), 4).numel() == 0
+
+
 def test_streaming_benchmark_tiny(tmp_path, capsys):
     from fedpartial_tools.streaming import main
 
