@@ -1,5 +1,6 @@
 """bench reports on hand-made run folders (no simulator): pseudo-label quality per round,
 segmentation overlays, the README results section, and which jobs get ``reference_file``."""
+import argparse
 import csv
 import dataclasses
 import json
@@ -192,12 +193,25 @@ def test_diagnostics_reach_the_method_job_only(tmp_path, monkeypatch):
                         extra=["client.reference_file=reference/{site}_full.npz"])
 
 
+def test_user_command_line_offers_no_developer_command():
+    user = build_parser()
+    with pytest.raises(SystemExit):
+        user.parse_args(["bench", "--suite", "fedlsm-ham", "--out", "x"])
+    def commands(parser):
+        return set(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices)
+
+    developer_only = {"bench", "bench-report", "throughput", "jobs"}
+    assert commands(build_parser(developer=True)) - commands(user) == developer_only
+    assert {"import", "split", "simulate", "evaluate", "package-job"} <= commands(user)
+    assert user.parse_args(["simulate", "jobs/fedavg", "--data-root", "d", "--workspace", "w"]).command == "simulate"
+
+
 def test_cli_flags_parse():
-    args = build_parser().parse_args(["bench", "--suite", "fedlsm-ham", "--out", "x", "--diagnostics", "--readme",
+    args = build_parser(developer=True).parse_args(["bench", "--suite", "fedlsm-ham", "--out", "x", "--diagnostics", "--readme",
                                       "R.md", "--copy-plots", "docs/results", "--every", "5"])
     assert args.diagnostics and args.readme == "R.md" and args.copy_plots == "docs/results" and args.every == 5
     assert args.overlay_images == 4
-    args = build_parser().parse_args(["bench-report", "--out", "x", "--overlays", "--overlay-images", "2"])
+    args = build_parser(developer=True).parse_args(["bench-report", "--out", "x", "--overlays", "--overlay-images", "2"])
     assert args.func is bench._cmd_bench_report and args.overlays and args.overlay_images == 2 and args.suite is None
 
 
@@ -300,12 +314,12 @@ def test_bench_commands(tmp_path):
     out = os.path.join(bench.REPO, "runs", "b")
     cmds = bench.bench_commands(rows, out)
     assert cmds["fedlsm-ham"] == [
-        "python -m fedpartial bench --suite fedlsm-ham --seeds 0,1 --profile cpu --diagnostics "
+        "python -m fedpartial_tools bench --suite fedlsm-ham --seeds 0,1 --profile cpu --diagnostics "
         "--set rule_args.lr=0.01 --out runs/b",
-        "python -m fedpartial bench --suite fedlsm-ham --seeds 2 --profile cpu --rounds 5 --jobs fedlsm --diagnostics "
+        "python -m fedpartial_tools bench --suite fedlsm-ham --seeds 2 --profile cpu --rounds 5 --jobs fedlsm --diagnostics "
         "--out runs/b --append"]
     assert cmds["fedirm-ham"] == ["# reconstructed (these rows predate the recorded command)\n"
-                                  "python -m fedpartial bench --suite fedirm-ham --seeds 0 --profile cpu "
+                                  "python -m fedpartial_tools bench --suite fedirm-ham --seeds 0 --profile cpu "
                                   "--out runs/b --append"]
     # quoting of settings with shell characters
     rows = _rows("fedlsm-ham", [0], {"profile": "gpu", "rounds": None, "sets": ['model.arch_args={"a": 1}'],
@@ -347,7 +361,7 @@ def test_update_readme_links_copies(tmp_path, lsm_out):
     assert "![fedlsm-ham: validation auc per round](docs/results/fedlsm-ham_curves.png)" in text
     assert "(docs/results/results.csv)" in text
     assert "| fedlsm | 0.500 ± 0.000 |" in text and "| fedavg_full | 0.600 ± 0.000 |" in text
-    assert "python -m fedpartial bench --suite fedlsm-ham --seeds 0,1 --profile cpu --diagnostics --out " in text
+    assert "python -m fedpartial_tools bench --suite fedlsm-ham --seeds 0,1 --profile cpu --diagnostics --out " in text
     assert "pseudo-label quality of `fedlsm`" in text and "| 1 | 0.775 ± 0.025 |" in text
     # without copies the links point into the bench folder, relative to the README
     bench.update_readme(str(out), str(readme))

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from fedpartial.algorithms.aggregation import fedavg_weights
 from fedpartial.algorithms.base import SiteUpdate
-from fedpartial.algorithms.fedavg import fedavg_weights, labelled_rows, supervised_loss
+from fedpartial.algorithms.fedavg import labelled_rows, supervised_loss
 
 
 def test_fedavg_weights_by_sample_count():

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from fedpartial.algorithms.aggregation import awpa_rows
 from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext, SiteUpdate
-from fedpartial.algorithms.fedlsm import (AWPAServer, FedLSMClient, awpa_rows, entropy_split, mixup,
+from fedpartial.algorithms.fedlsm import (AWPAServer, FedLSMClient, entropy_split, mixup,
                                           multilabel_pseudo_labels, pos_weight_from_counts, sample_entropy,
                                           single_label_pseudo_labels)
 from fedpartial.data.types import Dataset, Split

@@ -320,3 +320,22 @@ def test_every_job_whose_sites_send_statistics_ships_the_min_count_rule():
             out = from_shareable(StatisticsPrivacyFilter(**args).process(_message(_fedmlp_stats()), _ctx()))
             np.testing.assert_array_equal(out.get_meta_prop(SITE_STATS)["prototype_counts_pos"], [0, 0, 7])
     assert {"fedlsm", "fedmlp", "fedirm", "fedia"} <= set(checked)
+
+
+def test_presets_are_the_methods_own_declarations_and_consistent():
+    from fedpartial.algorithms import fedia, fedirm, fedlsm, fedmlp
+    from fedpartial.flare.filters import PRESETS, auto_preset
+
+    for module in (fedlsm, fedmlp, fedirm, fedia):
+        for name, policy in module.SENT_STATISTICS.items():
+            assert PRESETS[name] is policy
+            keys = set(policy["keys"])
+            assert set(policy.get("signature", [])) <= keys, name
+            for stat, count in policy.get("guards", {}).items():
+                assert stat in keys and count in keys, f"{name}: guard {stat} -> {count}"
+            assert set(policy.get("fill", {})) | set(policy.get("clip", {})) <= keys, name
+    # the flag picks FedIRM's multi-label flavour (absent row 0.5, no row sums)
+    names, merged = auto_preset({"relation_matrix": np.zeros((2, 2)), "relation_counts": np.ones(2),
+                                 "relation_multilabel": 1})
+    assert names == ["fedirm_multilabel"] and merged["fill"] == {"relation_matrix": 0.5}
+    assert auto_preset({"class_counts": np.ones(2)})[0] == ["fedlsm"]

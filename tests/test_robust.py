@@ -10,8 +10,9 @@ from nvflare.apis.fl_constant import ReservedKey
 from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.app_constant import AppConstants
 
+from fedpartial.algorithms.aggregation import average_weights
 from fedpartial.algorithms.base import ServerContext, SiteUpdate
-from fedpartial.algorithms.fedavg import FedAvgServer, average_weights
+from fedpartial.algorithms.fedavg import FedAvgServer
 from fedpartial.algorithms.fedlsm import AWPAServer
 from fedpartial.algorithms.robust import (UpdateScreen, coordinate_median, norm_outliers, robust_weights, trim_count,
                                           trimmed_mean, update_norm)

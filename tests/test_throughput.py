@@ -124,7 +124,8 @@ def test_throughput_command_compares_memory_formats_in_one_run(tmp_path, capsys)
     write_site_file(site, _site(SINGLE_LABEL))
     out = str(tmp_path / "tp.json")
     main(["throughput", "--site-file", site, "--methods", "fedavg", "--batch-size", str(BATCH), "--steps", "2",
-          "--arch-args", '{"width": 8, "depth": 2}', "--memory-format", "contiguous,channels_last", "--json", out])
+          "--arch-args", '{"width": 8, "depth": 2}', "--memory-format", "contiguous,channels_last", "--json", out],
+         developer=True)
     table = capsys.readouterr().out
     assert "| plain PyTorch loop | contiguous |" in table and "| fedavg rule | channels_last |" in table
     results = json.load(open(out))

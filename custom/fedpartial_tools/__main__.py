@@ -1,4 +1,5 @@
-"""``python -m fedpartial_tools ...`` = ``python -m fedpartial ...``."""
+"""``python -m fedpartial_tools ...``: the user's commands of ``python -m fedpartial`` plus the
+developer's (bench, bench-report, throughput, jobs)."""
 from fedpartial_tools.cli import main
 
-main()
+main(developer=True)

@@ -1,5 +1,7 @@
-"""Command line: ``python -m fedpartial {split,import,simulate,evaluate,package-job,synthetic,jobs} ...``
-(``import {dicom,images,nifti}``: a site's own data + label CSV -> site file)."""
+"""Command line. ``python -m fedpartial {import,split,simulate,evaluate,package-job,pseudo-labels,synthetic}``
+are the user's commands (``import {dicom,images,nifti}``: a site's own data + label CSV -> site
+file); ``python -m fedpartial_tools`` adds the developer's: ``bench``, ``bench-report``,
+``throughput`` and ``jobs``."""
 from __future__ import annotations
 
 import argparse
@@ -169,8 +171,15 @@ def _cmd_synthetic(args):
     print(args.out)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fedpartial", description=__doc__)
+def build_parser(developer: bool = False) -> argparse.ArgumentParser:
+    """The command-line parser.
+
+    Args:
+        developer: also the developer commands (benchmarks, job-folder generation), as
+            ``python -m fedpartial_tools`` has them.
+    """
+    p = argparse.ArgumentParser(prog="python -m fedpartial_tools" if developer else "python -m fedpartial",
+                                description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("split", help="partition one dataset into K site files with per-site label masks")
@@ -251,21 +260,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.set_defaults(func=_cmd_synthetic)
 
-    from fedpartial_tools.bench import add_bench_parser
-    from fedpartial_tools.throughput import add_throughput_parser
-
-    add_bench_parser(sub)
-    add_throughput_parser(sub)
     from fedpartial_tools.importer import add_import_parser
-    from fedpartial_tools.jobspec import add_jobs_parser
 
     add_import_parser(sub)
-    add_jobs_parser(sub)
+    if developer:
+        from fedpartial_tools.bench import add_bench_parser
+        from fedpartial_tools.jobspec import add_jobs_parser
+        from fedpartial_tools.throughput import add_throughput_parser
+
+        add_bench_parser(sub)
+        add_throughput_parser(sub)
+        add_jobs_parser(sub)
     return p
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def main(argv=None, developer: bool = False):
+    """Parse ``argv`` and run the command; a user error prints one line and exits 2.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+        developer: offer the developer commands too (``python -m fedpartial_tools``).
+    """
+    args = build_parser(developer).parse_args(argv)
     try:
         args.func(args)
     except (ValueError, FileNotFoundError, PermissionError, RuntimeError) as e:  # an OSError's text names its file

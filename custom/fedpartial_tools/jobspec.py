@@ -3,7 +3,7 @@
 ``job_variants.json`` (beside this module) names each derived folder of ``jobs/``: its ``base``
 folder, the ``set`` items that make it (the ``--set`` syntax of ``simulate`` and
 ``package-job``) and its ``description``. The derived folders stay plain FLARE job folders, the
-ones users submit; they are written from the description (``python -m fedpartial jobs
+ones users submit; they are written from the description (``python -m fedpartial_tools jobs
 --write``), and :func:`drift` reports every folder that no longer equals base + set (the test
 suite runs it).
 """
@@ -78,7 +78,7 @@ def drift(jobs_dir: str = JOBS_DIR, spec: Optional[Dict[str, dict]] = None) -> L
         for name in spec:
             have = os.path.join(jobs_dir, name)
             if not os.path.isdir(have):
-                problems.append(f"jobs/{name}: missing (python -m fedpartial jobs --write)")
+                problems.append(f"jobs/{name}: missing (python -m fedpartial_tools jobs --write)")
                 continue
             want = _json_files(derive(name, os.path.join(tmp, name), spec, jobs_dir))
             got = _json_files(have)

@@ -1,4 +1,4 @@
-"""``python -m fedpartial throughput``: training images/s of each method's client rule against a
+"""``python -m fedpartial_tools throughput``: training images/s of each method's client rule against a
 plain PyTorch loop on the same model, data and batch, measured in one run; and, from a finished
 simulator workspace, FLARE time per round beyond local training and bytes sent per site per round
 (weights and each method's statistics).

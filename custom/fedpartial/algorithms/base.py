@@ -124,7 +124,7 @@ class ServerContext:
             from, the rule used); the aggregator writes it to the round's ``server`` entry of
             metrics.json.
         weight_rule: how the parameters a method averages by weights are combined
-            (``fedpartial.algorithms.fedavg.average_weights``): ``mean`` (weighted by the method's
+            (``fedpartial.algorithms.aggregation.average_weights``): ``mean`` (weighted by the method's
             weights), ``median`` or ``trimmed_mean`` (unweighted, robust to a few bad sites).
         trim_fraction: for ``trimmed_mean``, the share of sites dropped at each end per coordinate.
     """

@@ -15,89 +15,19 @@ A site with no annotated sample (an unlabelled site of a semi-supervised split) 
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import List
 
 import numpy as np
 import torch
 
+from fedpartial.algorithms.aggregation import average_weights
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
-from fedpartial.algorithms.robust import robust_weights, trim_count
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import SINGLE_LABEL
-from fedpartial.training.common import (ImageSource, batch_indices, masked_bce_with_logits, masked_cross_entropy,
-                                        prefetch, round_seed, seed_everything)
+from fedpartial.training.common import ImageSource, batch_indices, prefetch, round_seed, seed_everything
+from fedpartial.training.losses import masked_bce_with_logits, masked_cross_entropy
 
 LOSS_MODES = ("missing-negative", "partial", "full")
-
-
-def fedavg_weights(updates: List[SiteUpdate]) -> Dict[str, np.ndarray]:
-    """Average ``updates``' weights, each weighted by its ``num_samples``; sites with 0 samples
-    are skipped. Integer buffers (e.g. BatchNorm's ``num_batches_tracked``) keep their dtype.
-
-    Args:
-        updates: the round's accepted site updates.
-
-    Raises:
-        ValueError: when no update has a positive ``num_samples``.
-    """
-    used = [u for u in updates if u.num_samples > 0]
-    if not used:
-        raise ValueError("no site update with a positive sample count to average "
-                         f"(sites: {', '.join(u.site for u in updates) or 'none'})")
-    total = float(sum(u.num_samples for u in used))
-    out = {}
-    for key, first in used[0].weights.items():
-        acc = np.zeros(np.shape(first), dtype=np.float64)
-        for u in used:
-            acc += np.asarray(u.weights[key], dtype=np.float64) * (u.num_samples / total)
-        dtype = np.asarray(first).dtype
-        out[key] = np.rint(acc).astype(dtype) if np.issubdtype(dtype, np.integer) else acc.astype(dtype)
-    return out
-
-
-def average_weights(updates: List[SiteUpdate], ctx: ServerContext) -> Dict[str, np.ndarray]:
-    """The parameters a method averages by weights, combined with ``ctx.weight_rule``: ``mean``
-    is :func:`fedavg_weights` (weighted by ``num_samples``); ``median`` / ``trimmed_mean``
-    (:func:`fedpartial.algorithms.robust.robust_weights`) take every update with a positive
-    ``num_samples`` once, whatever its weight, and say so in ``ctx.report["weight_rule"]``.
-
-    Args:
-        updates: the round's accepted site updates, ``num_samples`` holding the method's weights.
-        ctx: the server context (rule, trim fraction, report).
-
-    Raises:
-        ValueError: when no update has a positive ``num_samples``, or the rule is unknown.
-    """
-    if ctx.weight_rule == "mean":
-        return fedavg_weights(updates)
-    used = [u for u in updates if u.num_samples > 0]
-    if not used:
-        raise ValueError("no site update with a positive sample count to combine "
-                         f"(sites: {', '.join(u.site for u in updates) or 'none'})")
-    report = {"rule": ctx.weight_rule, "sites": [u.site for u in used]}
-    if ctx.weight_rule == "trimmed_mean":
-        report.update(trim_fraction=ctx.trim_fraction, trimmed_per_end=trim_count(len(used), ctx.trim_fraction))
-    ctx.report["weight_rule"] = report
-    return robust_weights([u.weights for u in used], ctx.weight_rule, ctx.trim_fraction)
-
-
-def capped_counts(update: SiteUpdate, key: str, ctx: ServerContext) -> np.ndarray:
-    """``update.stats[key]`` (per-class sample counts) capped at the site's sample count, with a
-    log line naming the site when a cap applies (a site cannot outweigh the others by reporting
-    more samples than it trained on). The sample count itself is capped by the aggregator at the
-    site's first reported train size (:class:`fedpartial.algorithms.robust.UpdateScreen`).
-
-    Args:
-        update: the site's update.
-        key: the count statistic.
-        ctx: the server context (round, log).
-    """
-    counts = np.asarray(update.stats[key], dtype=np.float64)
-    over = counts > update.num_samples
-    if over.any():
-        ctx.log(f"round {ctx.round}: site '{update.site}' reported {key} above its {update.num_samples} samples "
-                f"for class index(es) {np.flatnonzero(over).tolist()}; capped")
-    return np.minimum(counts, float(update.num_samples))
 
 
 class FedAvgServer(ServerRule):

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
 from typing import Dict, List, Optional, Tuple
@@ -55,8 +56,8 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 from scipy import ndimage
 
+from fedpartial.algorithms.aggregation import average_weights
 from fedpartial.algorithms.base import ClientContext, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
-from fedpartial.algorithms.fedavg import average_weights
 from fedpartial.algorithms.segmentation import MaskSource, SegmentationSupervisedClient, mask_chunks
 from fedpartial.data.types import DataError
 
@@ -68,6 +69,20 @@ STAT_KEYS = ("mean_loss", "iou", "completeness", "completeness_ready", "correcte
 #: the paper's rule without our guards (``--set`` these for the paper's weighting)
 PAPER_CLIENT_GUARDS = {"completeness_cap": None, "min_predicted_ratio": 0.0}
 PAPER_SERVER_GUARDS = {"completeness_max": None, "max_weight_ratio": None}
+#: What the client rule sends in ``site_stats`` and what a site's privacy filter
+#: (``fedpartial.flare.filters.StatisticsPrivacyFilter``) needs to guard it, by preset name
+#: (the fields are described in ``fedpartial.algorithms.fedlsm.SENT_STATISTICS``). Site-level
+#: scalars over the site's ``num_images`` training images; withheld = the values a site without
+#: training images sends (neutral loss, completeness 1, not ready).
+SENT_STATISTICS = {
+    "fedia": {"keys": ["mean_loss", "iou", "completeness", "completeness_ready", "corrected", "num_images"],
+              "signature": ["mean_loss", "iou", "completeness", "num_images"],
+              "guards": {k: "num_images" for k in ("mean_loss", "iou", "completeness", "completeness_ready",
+                                                   "corrected", "num_images")},
+              "fill": {"mean_loss": 1.0, "iou": 0.0, "completeness": 1.0, "completeness_ready": 0.0,
+                       "corrected": 0.0},
+              "clip": {"mean_loss": [0, math.inf], "iou": [0, 1], "completeness": [1e-6, math.inf]}},
+}
 
 
 # ----------------------------------------------------------------------------- pure helpers

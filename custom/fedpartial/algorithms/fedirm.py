@@ -87,13 +87,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fedpartial.algorithms.aggregation import average_weights
 from fedpartial.algorithms.base import ClientContext, ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, \
     SiteUpdate
-from fedpartial.algorithms.fedavg import average_weights, labelled_rows
+from fedpartial.algorithms.fedavg import labelled_rows
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL
-from fedpartial.training.common import (EMATeacher, ImageSource, batch_indices, masked_bce_with_logits,
-                                        masked_cross_entropy, probabilities, round_seed, seed_everything)
+from fedpartial.training.common import (EMATeacher, ImageSource, batch_indices, probabilities, round_seed,
+                                        seed_everything)
+from fedpartial.training.losses import masked_bce_with_logits, masked_cross_entropy
 
 TEACHER_FILE = "fedirm_teacher.pt"
 AUGMENTATIONS = ("paper", "flip", "weak", "strong", "none")
@@ -101,6 +103,29 @@ RELATION_WEIGHTINGS = ("sites", "counts")
 # Keys of the statistics on the wire.
 RELATION_MATRIX = "relation_matrix"
 RELATION_COUNTS = "relation_counts"
+
+#: What the client rule sends in ``site_stats`` and what a site's privacy filter
+#: (``fedpartial.flare.filters.StatisticsPrivacyFilter``) needs to guard it, by preset name.
+#: ``keys``: every key sent; ``signature``: the keys that identify the method's statistics;
+#: ``guards``: statistic -> the count key saying from how many images each row (or a scalar) was
+#: computed; ``fill``: what a withheld row becomes (the value the server rule reads as "absent");
+#: ``clip``: allowed range after noise; ``normalise_rows``: keys whose rows sum to 1.
+#: ``variant``: ``(flag key, preset)``, the preset to use when the flag is set.
+#: Relation-matrix rows (softmax, sum 1) behind the class counts (distinct images); an absent row
+#: is uniform (1/C). Multi-label: sigmoid rows, an absent row is 0.5, no row sum.
+SENT_STATISTICS = {
+    "fedirm": {"keys": ["relation_matrix", "relation_counts", "relation_multilabel"],
+               "signature": ["relation_matrix", "relation_counts"],
+               "variant": ["relation_multilabel", "fedirm_multilabel"],
+               "guards": {"relation_matrix": "relation_counts", "relation_counts": "relation_counts"},
+               "fill": {"relation_matrix": "uniform"},
+               "clip": {"relation_matrix": [0, 1], "relation_counts": [0, math.inf]},
+               "normalise_rows": ["relation_matrix"]},
+    "fedirm_multilabel": {"keys": ["relation_matrix", "relation_counts", "relation_multilabel"],
+                          "guards": {"relation_matrix": "relation_counts", "relation_counts": "relation_counts"},
+                          "fill": {"relation_matrix": 0.5},
+                          "clip": {"relation_matrix": [0, 1], "relation_counts": [0, math.inf]}},
+}
 RELATION_VALID = "relation_valid"
 RELATION_MULTILABEL = "relation_multilabel"
 _EPS = 1e-8

@@ -67,14 +67,14 @@ Departures from the paper and reference code:
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedpartial.algorithms.aggregation import average_classifier_rows, average_weights, capped_counts
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
-from fedpartial.algorithms.fedavg import average_weights, capped_counts
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, DataError
 from fedpartial.training.common import (EMATeacher, ImageSource, iteration_batches, probabilities, round_seed,
@@ -85,6 +85,21 @@ DEFAULT_CONFIDENT_FRACTION = {SINGLE_LABEL: 200 / 1400, MULTI_LABEL: 2000 / 9500
 DEFAULT_UNCERTAIN_FRACTION = {SINGLE_LABEL: 50 / 1400, MULTI_LABEL: 500 / 9500}
 DEFAULT_LOCAL_ITERATIONS = {SINGLE_LABEL: 30, MULTI_LABEL: 200}
 STRONG_VIEWS = ("strong", "strong-per-sample", "weak", "flip", "none")
+
+#: What the client rule sends in ``site_stats`` and what a site's privacy filter
+#: (``fedpartial.flare.filters.StatisticsPrivacyFilter``) needs to guard it, by preset name.
+#: ``keys``: every key sent; ``signature``: the keys that identify the method's statistics;
+#: ``guards``: statistic -> the count key saying from how many images each row (or a scalar) was
+#: computed; ``fill``: what a withheld row becomes (the value the server rule reads as "absent");
+#: ``clip``: allowed range after noise; ``normalise_rows``: keys whose rows sum to 1.
+#: Per-class counts of confident positives (AWPA row weights) and annotated positives / negatives;
+#: ``annotated_classes`` says which classes the site annotates (no sample value).
+SENT_STATISTICS = {
+    "fedlsm": {"keys": ["class_counts", "label_pos", "label_neg", "annotated_classes"],
+               "signature": ["class_counts", "label_pos", "label_neg"],
+               "guards": {"class_counts": "class_counts", "label_pos": "label_pos", "label_neg": "label_neg"},
+               "clip": {"class_counts": [0, math.inf], "label_pos": [0, math.inf], "label_neg": [0, math.inf]}},
+}
 
 
 # ----------------------------------------------------------------------------- pure helpers
@@ -207,52 +222,6 @@ def mixup(x_a: torch.Tensor, y_a: torch.Tensor, x_b: torch.Tensor, y_b: torch.Te
         raise ValueError(f"mixup needs equal shapes, got {tuple(x_a.shape)}/{tuple(x_b.shape)} and "
                          f"{tuple(y_a.shape)}/{tuple(y_b.shape)}")
     return lam * x_a + (1.0 - lam) * x_b, lam * y_a + (1.0 - lam) * y_b
-
-
-def awpa_rows(rows_per_site: Sequence[np.ndarray], counts_per_site, fallback_weights) -> np.ndarray:
-    """Adaptive weighted proxy aggregation of classifier rows (paper Eq. 7).
-
-    Args:
-        rows_per_site: K arrays of shape ``(C, ...)`` (a weight matrix or a bias vector).
-        counts_per_site: ``(K, C)`` q_c^k >= 0.
-        fallback_weights: ``(K,)`` weights (e.g. data sizes) used for a class whose count is 0
-            at every site; normalised here.
-
-    Returns:
-        ``(C, ...)``: row c = sum_k q_c^k / sum_j q_c^j * row_c^k.
-    """
-    rows = np.stack([np.asarray(r, dtype=np.float64) for r in rows_per_site])  # (K, C, ...)
-    counts = np.asarray(counts_per_site, dtype=np.float64)
-    fallback = np.asarray(fallback_weights, dtype=np.float64)
-    k, c = rows.shape[:2]
-    if counts.shape != (k, c):
-        raise ValueError(f"class counts have shape {counts.shape}, expected {(k, c)} (sites x classes)")
-    if fallback.shape != (k,) or fallback.sum() <= 0:
-        raise ValueError(f"fallback weights must be {k} values with a positive sum, got {fallback}")
-    totals = counts.sum(axis=0)  # (C,)
-    weights = np.where(totals > 0, counts / np.where(totals > 0, totals, 1.0), (fallback / fallback.sum())[:, None])
-    return np.einsum("kc,kc...->c...", weights, rows)
-
-
-def average_classifier_rows(used: Sequence[SiteUpdate], row_weights: np.ndarray, classifier_names: Sequence[str]
-                            ) -> Dict[str, np.ndarray]:
-    """Every classifier parameter of ``used`` averaged row by row with :func:`awpa_rows` (a class
-    whose weights are all 0 falls back to the sites' sizes), in the first site's dtype.
-
-    Args:
-        used: site updates with a positive ``num_samples``.
-        row_weights: ``(K, C)`` weight of each site's row of each class.
-        classifier_names: the classifier parameters (first dimension = classes).
-    """
-    sizes = np.array([u.num_samples for u in used], dtype=np.float64)
-    num_classes = np.shape(row_weights)[1]
-    out = {}
-    for name in classifier_names:
-        first = np.asarray(used[0].weights[name])
-        if first.shape[0] != num_classes:
-            raise ValueError(f"classifier parameter '{name}' has {first.shape[0]} rows, expected {num_classes} classes")
-        out[name] = awpa_rows([u.weights[name] for u in used], row_weights, sizes).astype(first.dtype)
-    return out
 
 
 def class_statistics(labels: np.ndarray, label_mask: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

@@ -86,6 +86,7 @@ option                             paper                             released co
 from __future__ import annotations
 
 import copy
+import math
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -93,13 +94,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedpartial.algorithms.aggregation import average_classifier_rows, average_weights, capped_counts
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
-from fedpartial.algorithms.fedavg import average_weights, capped_counts
-from fedpartial.algorithms.fedlsm import average_classifier_rows
 from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, DataError
-from fedpartial.training.common import (ImageSource, batch_indices, masked_bce_with_logits, round_seed,
-                                        seed_everything)
+from fedpartial.training.common import ImageSource, batch_indices, round_seed, seed_everything
+from fedpartial.training.losses import masked_bce_with_logits
 
 #: ``positive_tag_cap`` choices: the paper's rank rule alone, or capped by the class's prevalence
 POSITIVE_TAG_CAPS = ("none", "prevalence")
@@ -130,6 +130,23 @@ STAT_KEYS = ("prototypes_neg", "prototypes_pos", "prototype_counts_neg", "protot
              "annotated")
 TAGS_FILE = "fedmlp_tags.npz"
 UNTAGGED = -1
+
+#: What the client rule sends in ``site_stats`` and what a site's privacy filter
+#: (``fedpartial.flare.filters.StatisticsPrivacyFilter``) needs to guard it, by preset name.
+#: ``keys``: every key sent; ``signature``: the keys that identify the method's statistics;
+#: ``guards``: statistic -> the count key saying from how many images each row (or a scalar) was
+#: computed; ``fill``: what a withheld row becomes (the value the server rule reads as "absent");
+#: ``clip``: allowed range after noise; ``normalise_rows``: keys whose rows sum to 1.
+#: Class prototypes ``(C, D)`` behind their sample counts ``(C,)``; learning degrees in [0, 1].
+SENT_STATISTICS = {
+    "fedmlp": {"keys": ["prototypes_pos", "prototypes_neg", "prototype_counts_pos", "prototype_counts_neg",
+                        "learning_degree", "annotated", "annotated_classes"],
+               "signature": ["prototypes_pos", "prototypes_neg", "prototype_counts_pos", "prototype_counts_neg"],
+               "guards": {"prototypes_pos": "prototype_counts_pos", "prototype_counts_pos": "prototype_counts_pos",
+                          "prototypes_neg": "prototype_counts_neg", "prototype_counts_neg": "prototype_counts_neg"},
+               "clip": {"prototype_counts_pos": [0, math.inf], "prototype_counts_neg": [0, math.inf],
+                        "learning_degree": [0, 1]}},
+}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
   ``max_norm_ratio`` times the round's median distance.
 * :func:`robust_weights` is the coordinate-wise median or trimmed mean of the sites' weights, which
   the methods use instead of the size-weighted mean when the job selects it
-  (``fedpartial.algorithms.fedavg.average_weights``).
+  (``fedpartial.algorithms.aggregation.average_weights``).
 
 Plain numpy: the FLARE aggregator (``fedpartial.flare.aggregators.RuleAggregator``) only passes
 updates in and the decisions out.

@@ -34,58 +34,17 @@ from nvflare.apis.shareable import Shareable
 from nvflare.apis.dxo_filter import DXOFilter
 from nvflare.app_common.app_constant import AppConstants
 
+from fedpartial.algorithms import fedia, fedirm, fedlsm, fedmlp
 from fedpartial.flare.common import SITE_STATS
 
-INF = float("inf")
-
-#: Every statistic a method's client rule sends, in one place (the per-method presets below and the
-#: site policy's ``auto`` preset are this table). ``keys``: every key the rule sends (``auto`` withholds
-#: any other key). ``guards``: statistic -> the count key saying from how many images each row (or a
-#: scalar statistic) was computed (a count guards itself). ``fill``: what a withheld row becomes, i.e.
-#: the placeholder the server rule already reads as "absent" (count 0).
-PRESETS: Dict[str, dict] = {
-    "none": {},
-    # FedLSM: per-class counts of confident positives (AWPA row weights) and annotated pos / neg;
-    # annotated_classes says which classes the site annotates (no sample value).
-    "fedlsm": {"keys": ["class_counts", "label_pos", "label_neg", "annotated_classes"],
-               "guards": {"class_counts": "class_counts", "label_pos": "label_pos", "label_neg": "label_neg"},
-               "clip": {"class_counts": [0, INF], "label_pos": [0, INF], "label_neg": [0, INF]}},
-    # FedMLP: class prototypes (C, D) behind their sample counts (C,); learning degrees in [0, 1].
-    "fedmlp": {"keys": ["prototypes_pos", "prototypes_neg", "prototype_counts_pos", "prototype_counts_neg",
-                        "learning_degree", "annotated", "annotated_classes"],
-               "guards": {"prototypes_pos": "prototype_counts_pos", "prototype_counts_pos": "prototype_counts_pos",
-                          "prototypes_neg": "prototype_counts_neg", "prototype_counts_neg": "prototype_counts_neg"},
-               "clip": {"prototype_counts_pos": [0, INF], "prototype_counts_neg": [0, INF],
-                        "learning_degree": [0, 1]}},
-    # FedIRM: relation matrix rows (softmax, sum 1) behind the class counts (distinct images); absent row = 1/C.
-    "fedirm": {"keys": ["relation_matrix", "relation_counts", "relation_multilabel"],
-               "guards": {"relation_matrix": "relation_counts", "relation_counts": "relation_counts"},
-               "fill": {"relation_matrix": "uniform"},
-               "clip": {"relation_matrix": [0, 1], "relation_counts": [0, INF]},
-               "normalise_rows": ["relation_matrix"]},
-    # FedIRM multi-label: sigmoid rows, absent row = 0.5, no row sum.
-    "fedirm_multilabel": {"keys": ["relation_matrix", "relation_counts", "relation_multilabel"],
-                          "guards": {"relation_matrix": "relation_counts", "relation_counts": "relation_counts"},
-                          "fill": {"relation_matrix": 0.5},
-                          "clip": {"relation_matrix": [0, 1], "relation_counts": [0, INF]}},
-    # FedIA: site-level scalars over the site's num_images training images; withheld = the values a
-    # site without training images sends (neutral loss, completeness 1, not ready).
-    "fedia": {"keys": ["mean_loss", "iou", "completeness", "completeness_ready", "corrected", "num_images"],
-              "guards": {k: "num_images" for k in ("mean_loss", "iou", "completeness", "completeness_ready",
-                                                   "corrected", "num_images")},
-              "fill": {"mean_loss": 1.0, "iou": 0.0, "completeness": 1.0, "completeness_ready": 0.0,
-                       "corrected": 0.0},
-              "clip": {"mean_loss": [0, INF], "iou": [0, 1], "completeness": [1e-6, INF]}},
-}
-#: ``auto`` (the site policy's preset): the method is recognised from the keys present, so one site
-#: policy covers every job; statistics of no known method are withheld.
+#: Every statistic a method's client rule sends: each method module's ``SENT_STATISTICS`` (keys,
+#: the count keys that guard them, fills, clips), gathered here by preset name. The site policy's
+#: ``auto`` preset recognises the method from the keys present, so one site policy covers every
+#: job; statistics of no known method are withheld.
+PRESETS: Dict[str, dict] = {"none": {}, **fedlsm.SENT_STATISTICS, **fedmlp.SENT_STATISTICS,
+                            **fedirm.SENT_STATISTICS, **fedia.SENT_STATISTICS}
 AUTO = "auto"
 PRESET_NAMES = sorted(PRESETS) + [AUTO]
-#: the keys that identify each method's statistics for ``auto`` (FedIRM's flavour from its flag)
-_SIGNATURES = {"fedlsm": ("class_counts", "label_pos", "label_neg"),
-               "fedmlp": ("prototypes_pos", "prototypes_neg", "prototype_counts_pos", "prototype_counts_neg"),
-               "fedirm": ("relation_matrix", "relation_counts"),
-               "fedia": ("mean_loss", "iou", "completeness", "num_images")}
 
 
 def auto_preset(stats: dict) -> Tuple[List[str], dict]:
@@ -94,10 +53,11 @@ def auto_preset(stats: dict) -> Tuple[List[str], dict]:
     A message with none of them (e.g. FedMLP warm-up rounds: ``annotated_classes`` only) gets the
     union of every preset's ``keys`` and no guards."""
     names = []
-    for name, signature in _SIGNATURES.items():
-        if any(k in stats for k in signature):
-            if name == "fedirm" and float(np.asarray(stats.get("relation_multilabel", 0))) > 0:
-                name = "fedirm_multilabel"
+    for name, preset in PRESETS.items():
+        if any(k in stats for k in preset.get("signature", [])):
+            flag, variant = preset.get("variant", (None, None))
+            if flag is not None and float(np.asarray(stats.get(flag, 0))) > 0:
+                name = variant
             names.append(name)
     merged = {"keys": sorted({k for p in PRESETS.values() for k in p.get("keys", [])}), "guards": {}, "fill": {},
               "clip": {}, "normalise_rows": []}

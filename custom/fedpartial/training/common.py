@@ -9,7 +9,6 @@ from typing import Callable, Dict, Iterator, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 
 def select_device(name: str = "auto") -> torch.device:
@@ -237,45 +236,6 @@ class EMATeacher:
             t.mul_(self.decay).add_(s.detach(), alpha=1.0 - self.decay)
         for t, s in zip(self.model.buffers(), student.buffers()):
             t.copy_(s)
-
-
-def masked_bce_with_logits(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-                           pos_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Mean binary cross-entropy over the entries where ``mask`` is 1 (0 when none).
-
-    Args:
-        logits: ``(N, C)``.
-        targets: ``(N, C)`` in [0, 1].
-        mask: ``(N, C)`` 0/1 (or weights).
-        pos_weight: optional ``(C,)`` weight of positives (class-weighted BCE).
-    """
-    loss = F.binary_cross_entropy_with_logits(logits, targets, reduction="none", pos_weight=pos_weight)
-    mask = mask.to(loss.dtype)
-    denom = mask.sum()
-    return (loss * mask).sum() / denom.clamp_min(1.0)
-
-
-def masked_cross_entropy(logits: torch.Tensor, target_index: torch.Tensor, class_mask: Optional[torch.Tensor] = None,
-                         sample_weight: Optional[torch.Tensor] = None, label_smoothing: float = 0.0) -> torch.Tensor:
-    """Softmax cross-entropy, optionally restricted to the classes where ``class_mask`` is 1
-    (the others get -inf logits: the partial-class loss for single-label data).
-
-    Args:
-        logits: ``(N, C)``.
-        target_index: ``(N,)`` class indices.
-        class_mask: optional ``(N, C)`` or ``(C,)`` 0/1 of the classes the softmax runs over.
-        sample_weight: optional ``(N,)`` weights (0 drops a sample); mean over weighted samples.
-        label_smoothing: as in ``torch.nn.functional.cross_entropy``.
-    """
-    if logits.shape[0] == 0:
-        return logits.sum() * 0.0
-    if class_mask is not None:
-        logits = logits.masked_fill(class_mask.expand_as(logits) < 0.5, float("-inf"))
-    loss = F.cross_entropy(logits, target_index, reduction="none", label_smoothing=label_smoothing)
-    if sample_weight is None:
-        return loss.mean()
-    loss = torch.where(sample_weight > 0, loss, torch.zeros_like(loss))
-    return (loss * sample_weight).sum() / sample_weight.sum().clamp_min(1e-8)
 
 
 class ImageSource:
