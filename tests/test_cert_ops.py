@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedpartial_tools import deploy
+from fedpartial_tools import admin, processes, provision
 from helpers import tls_reply
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,45 +37,45 @@ class System:
         self.root, self.env, self.procs = root, env, {}
 
     def start(self, kit: Path, name: str):
-        self.procs[name] = deploy.start_kit(str(kit), str(self.root / f"{name}.console.log"), self.env)
+        self.procs[name] = processes.start_kit(str(kit), str(self.root / f"{name}.console.log"), self.env)
 
     def stop(self, name: str):
-        deploy.stop_group(self.procs.pop(name), grace=2.0)
+        processes.stop_group(self.procs.pop(name), grace=2.0)
 
     def close(self):
         for proc in reversed(list(self.procs.values())):
-            deploy.stop_group(proc, grace=2.0)
-        deploy.kill_workspace_processes(str(self.root))
+            processes.stop_group(proc, grace=2.0)
+        processes.kill_workspace_processes(str(self.root))
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     root = tmp_path_factory.mktemp("certops")
-    env = deploy.kit_env(str(root))
+    env = provision.kit_env(str(root))
     env["PYTHONPATH"] = str(REPO / "custom")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HOME", env["HOME"])
         mp.setenv("TMPDIR", env["TMPDIR"])
         mp.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
-        port = deploy.free_port()
-        project_file = deploy.write_project(str(root / "project.yml"),
-                                            deploy.localhost_project(PROJECT, port, ["site-1"]))
+        port = provision.free_port()
+        project_file = provision.write_project(str(root / "project.yml"),
+                                            provision.localhost_project(PROJECT, port, ["site-1"]))
         ws = root / "ws"
-        prod = Path(deploy.provision(project_file, str(ws), env=env))
-        deploy.keep_server_storage_in(str(prod / "localhost"), str(root / "storage"))
+        prod = Path(provision.provision(project_file, str(ws), env=env))
+        provision.keep_server_storage_in(str(prod / "localhost"), str(root / "storage"))
         sys_ = System(root, env)
         try:
             sys_.start(prod / "localhost", "server")
-            admin = {role: kit for kit, role in deploy.admin_kits(str(prod)).items()}["project_admin"]
-            session = deploy.new_admin_session(admin, timeout=60)
+            admin_kit = {role: kit for kit, role in admin.admin_kits(str(prod)).items()}["project_admin"]
+            session = admin.new_admin_session(admin_kit, timeout=60)
             sys_.start(prod / "site-1", "site-1")
-            deploy.wait_for_clients(session, ["site-1"], timeout=90)
+            admin.wait_for_clients(session, ["site-1"], timeout=90)
             yield {"root": root, "env": env, "ws": ws, "prod": prod, "project_file": project_file, "port": port,
                    "session": session, "system": sys_}
             session.close()
         finally:
             sys_.close()
-            left = deploy.live_workspace_processes(str(root))
+            left = processes.live_workspace_processes(str(root))
             assert not left, f"processes left behind: {left}"
 
 
@@ -115,7 +115,7 @@ def test_a_site_joins_with_its_own_private_key_and_is_disabled_again(system):
     assert (kit / "startup" / "rootCA.pem").read_bytes() == \
         (system["prod"] / "site-1" / "startup" / "rootCA.pem").read_bytes()
     system["system"].start(kit, "site-3")
-    assert deploy.wait_for_clients(system["session"], ["site-1", "site-3"], timeout=90) == ["site-1", "site-3"]
+    assert admin.wait_for_clients(system["session"], ["site-1", "site-3"], timeout=90) == ["site-1", "site-3"]
 
     # removing it again: disabled, dropped, and refused when it tries to register after a restart.
     # One test with the join: the module's system may be rebuilt between tests (xdist runs the
@@ -148,7 +148,7 @@ def test_a_renewed_kit_registers_after_a_restart_and_expires_later(system):
     system["system"].stop("site-1")
     system["system"].start(renewed, "site-1-renewed")
     assert _wait_log(renewed / "log.txt", "Successfully registered", 90), (renewed / "log.txt").read_text()[-2000:]
-    deploy.wait_for_clients(system["session"], ["site-1"], timeout=30)
+    admin.wait_for_clients(system["session"], ["site-1"], timeout=30)
 
 
 def _tls_reply(cert_pem: bytes, key_pem: bytes, ca: Path, port: int, tmp: Path) -> bytes:
@@ -189,5 +189,5 @@ def test_a_job_needing_more_sites_than_connected_is_refused_before_submit(system
     job = package_job(str(REPO / "jobs" / "fedavg"), str(tmp_path / "fedavg"), ["num_rounds=1", "min_clients=3"])
     before = len(system["session"].list_jobs())
     with pytest.raises(ValueError, match=r"needs min_clients=3 but the server lists 1 site\(s\) \(site-1\)"):
-        deploy.run_job(system["session"], job, str(tmp_path / "out"), timeout=10, log=lambda m: None)
+        admin.run_job(system["session"], job, str(tmp_path / "out"), timeout=10, log=lambda m: None)
     assert len(system["session"].list_jobs()) == before

@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 
-from fedpartial_tools import certs, deploy
+from fedpartial_tools import admin, certs, deploy, provision
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning")
@@ -97,17 +97,17 @@ def test_cert_expiry_command_exit_code(kits):
 
 
 def test_renewal_reissues_only_the_named_kit_with_the_same_root_ca(tmp_path):
-    env = deploy.kit_env(str(tmp_path))
-    project_file = deploy.write_project(str(tmp_path / "p.yml"),
-                                        deploy.localhost_project("renew", 18003, ["site-1", "site-2"]))
-    first = Path(deploy.provision(project_file, str(tmp_path / "ws"), env))
+    env = provision.kit_env(str(tmp_path))
+    project_file = provision.write_project(str(tmp_path / "p.yml"),
+                                        provision.localhost_project("renew", 18003, ["site-1", "site-2"]))
+    first = Path(provision.provision(project_file, str(tmp_path / "ws"), env))
     time.sleep(1.1)  # certificates carry whole seconds
     # re-provisioning alone keeps the stored certificate (same expiry)
-    same = Path(deploy.provision(project_file, str(tmp_path / "ws"), env))
+    same = Path(provision.provision(project_file, str(tmp_path / "ws"), env))
     crt = "startup/client.crt"
     assert (same / "site-1" / crt).read_bytes() == (first / "site-1" / crt).read_bytes()
     assert certs.renew(str(tmp_path / "ws"), "renew", ["site-1"]) == ["site-1"]
-    renewed = Path(deploy.provision(project_file, str(tmp_path / "ws"), env))
+    renewed = Path(provision.provision(project_file, str(tmp_path / "ws"), env))
     assert renewed.name == "prod_02"
 
     def load(p):
@@ -116,7 +116,7 @@ def test_renewal_reissues_only_the_named_kit_with_the_same_root_ca(tmp_path):
     old, new = load(first / "site-1" / crt), load(renewed / "site-1" / crt)
     assert new.serial_number != old.serial_number
     assert new.not_valid_after_utc > old.not_valid_after_utc
-    # 360 days (FLARE's participant lifetime); the root CA is 3650 days (deploy.ROOT_VALID_DAYS)
+    # 360 days (FLARE's participant lifetime); the root CA is 3650 days (provision.ROOT_VALID_DAYS)
     assert new.not_valid_after_utc - new.not_valid_before_utc == datetime.timedelta(days=360)
     root = load(renewed / "site-1" / "startup" / "rootCA.pem")
     assert root.not_valid_after_utc - root.not_valid_before_utc == datetime.timedelta(days=3650)
@@ -166,11 +166,11 @@ def test_package_job_refuses_more_min_clients_than_sites_and_fits_the_model_to_t
 
 
 def test_admin_session_names_the_kit_user_on_a_wrong_user_name(tmp_path):
-    env = deploy.kit_env(str(tmp_path))
-    project_file = deploy.write_project(str(tmp_path / "p.yml"), deploy.localhost_project("u", 18004, ["site-1"]))
-    kit = Path(deploy.provision(project_file, str(tmp_path / "ws"), env)) / "lead@hospital-a.org"
+    env = provision.kit_env(str(tmp_path))
+    project_file = provision.write_project(str(tmp_path / "p.yml"), provision.localhost_project("u", 18004, ["site-1"]))
+    kit = Path(provision.provision(project_file, str(tmp_path / "ws"), env)) / "lead@hospital-a.org"
     with pytest.raises(ValueError, match=r"its user name is 'lead@hospital-a.org' \(the kit's folder name"):
-        deploy.new_admin_session(str(kit), username="lead")
+        admin.new_admin_session(str(kit), username="lead")
     # right user name, no server: the error says what to check
     with pytest.raises(RuntimeError, match=r"could not log in to localhost:18004 .*is the server running"):
-        deploy.new_admin_session(str(kit), timeout=2, username="lead@hospital-a.org")
+        admin.new_admin_session(str(kit), timeout=2, username="lead@hospital-a.org")

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import fedpartial
-from fedpartial_tools import deploy
+from fedpartial_tools import admin, processes, provision
 from fedpartial_tools.jobtools import package_job
 
 from test_provisioned import CLASSES, _write_sites
@@ -51,14 +51,14 @@ def system(tmp_path_factory):
     from test_provisioned import System
 
     root = tmp_path_factory.mktemp("installed_runtime")
-    wheel = deploy.build_runtime(str(root / "wheel"))
+    wheel = provision.build_runtime(str(root / "wheel"))
     runtime = root / "runtime"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
                     str(runtime), wheel], check=True, capture_output=True, timeout=120)
     hook = root / "hide_checkouts"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HIDE_CHECKOUTS)
-    env = deploy.kit_env(str(root))
+    env = provision.kit_env(str(root))
     env["PYTHONPATH"] = os.pathsep.join([str(hook), str(runtime)])  # the installed runtime, no checkout
     data_root = root / "sites"
     data_root.mkdir()
@@ -67,37 +67,37 @@ def system(tmp_path_factory):
         mp.setenv("HOME", env["HOME"])
         mp.setenv("TMPDIR", env["TMPDIR"])
         mp.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
-        project = deploy.localhost_project("fedpartial_rt", deploy.free_port(), SITES,
+        project = provision.localhost_project("fedpartial_rt", provision.free_port(), SITES,
                                            site_policy={"allow_byoc": False})
-        prod = Path(deploy.provision(deploy.write_project(str(root / "project.yml"), project),
-                                     str(root / "provision"), env=deploy.kit_env(str(root))))
+        prod = Path(provision.provision(provision.write_project(str(root / "project.yml"), project),
+                                     str(root / "provision"), env=provision.kit_env(str(root))))
         server = prod / "localhost"
         # The coordinating centre's server keeps FLARE's default (byoc allowed): each hospital's
         # site must refuse code on its own policy, whatever the server permits.
         (server / "local" / "authorization.json").write_text(
             (server / "local" / "authorization.json.default").read_text())
-        deploy.keep_server_storage_in(str(server), str(root / "storage"))
+        provision.keep_server_storage_in(str(server), str(root / "storage"))
         sys_ = System(root, env)
         try:
             sys_.start(server, "server")
-            kits = {role: kit for kit, role in deploy.admin_kits(str(prod)).items()}
-            session = deploy.new_admin_session(kits["project_admin"], timeout=60)
+            kits = {role: kit for kit, role in admin.admin_kits(str(prod)).items()}
+            session = admin.new_admin_session(kits["project_admin"], timeout=60)
             for site in SITES:
                 sys_.start(prod / site, site)
-            deploy.wait_for_clients(session, SITES, timeout=90)
+            admin.wait_for_clients(session, SITES, timeout=90)
             session.close()
             yield {"root": root, "prod": prod, "kits": kits, "runtime": runtime, "data_root": data_root,
                    "wheel": wheel}
         finally:
             sys_.close()
-            left = deploy.live_workspace_processes(str(root))
+            left = processes.live_workspace_processes(str(root))
             assert not left, f"processes left behind: {left}"
 
 
 def _run(system, kit_role, job, out):
-    session = deploy.new_admin_session(system["kits"][kit_role])
+    session = admin.new_admin_session(system["kits"][kit_role])
     try:
-        return deploy.run_job(session, str(job), str(out), timeout=240, log=lambda m: None)
+        return admin.run_job(session, str(job), str(out), timeout=240, log=lambda m: None)
     finally:
         session.close()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fedpartial_tools import deploy
+from fedpartial_tools import admin, deploy, processes
 from fedpartial_tools.jobtools import dataset_overrides
 
 # POC and provisioned systems run one at a time, on one xdist worker (scripts/test.sh runs -n 2)
@@ -37,8 +37,8 @@ def poc_state(tmp_path):
     if state.exists():
         subprocess.run(["bash", str(REPO / "poc" / "stop.sh"), str(state)], env=_env(tmp_path),
                        capture_output=True, timeout=120)
-    deploy.kill_workspace_processes(str(tmp_path))
-    assert not deploy.live_workspace_processes(str(tmp_path))
+    processes.kill_workspace_processes(str(tmp_path))
+    assert not processes.live_workspace_processes(str(tmp_path))
 
 
 @pytest.mark.slow
@@ -58,7 +58,7 @@ def test_run_demo_runs_fedavg_in_poc_and_downloads_the_result(poc_state, tmp_pat
     assert proc.returncode == 0, out[-4000:]
 
     # the demo stopped its own system: nothing of the state folder runs any more
-    assert not deploy.live_workspace_processes(str(poc_state)), out[-2000:]
+    assert not processes.live_workspace_processes(str(poc_state)), out[-2000:]
     # POC state stayed in the state folder
     assert (poc_state / "home" / ".nvflare" / "config.conf").is_file()
     assert (poc_state / "poc" / "jobs-storage").is_dir()
@@ -71,7 +71,7 @@ def test_run_demo_runs_fedavg_in_poc_and_downloads_the_result(poc_state, tmp_pat
     results = [p for p in (poc_state / "results" / "fedavg").iterdir() if p.name != "latest"]
     assert len(results) == 1, results
     assert (poc_state / "results" / "fedavg" / "latest").resolve() == results[0].resolve()
-    found = deploy.find_results(str(results[0]))
+    found = admin.find_results(str(results[0]))
     assert found["global_model"] and found["metrics"], found
     _, meta = load_model_file(found["global_model"])
     rounds = json.loads(Path(found["metrics"]).read_text())["rounds"]
@@ -96,9 +96,9 @@ def test_leftover_sweep_kills_flare_processes_of_the_folder_only(tmp_path):
     editor = subprocess.Popen([sys.executable, "-c", sleeper, str(tmp_path / "notes.txt")], start_new_session=True)
     try:
         time.sleep(0.2)
-        found = deploy.workspace_processes(str(tmp_path))
+        found = processes.workspace_processes(str(tmp_path))
         assert mine.pid in found and other.pid not in found and editor.pid not in found
-        killed = deploy.kill_workspace_processes(str(tmp_path))
+        killed = processes.kill_workspace_processes(str(tmp_path))
         assert set(killed) == {mine.pid}
         assert mine.wait(timeout=5) == -signal.SIGKILL
         assert other.poll() is None and editor.poll() is None
@@ -140,7 +140,7 @@ def test_every_method_job_runs_in_poc(poc_state, tmp_path):
         out = sh(REPO / "poc" / "run_job.sh", poc_state, job, "--data-root", data / "sites", *sets, "--timeout", "400",
                  timeout=480)
         results = [p for p in (poc_state / "results" / job).iterdir() if p.name != "latest"]
-        found = deploy.find_results(str(results[0]))
+        found = admin.find_results(str(results[0]))
         assert found["global_model"], (job, out[-2000:])
         _, meta = load_model_file(found["global_model"])
         assert meta["round"] == rounds - 1, (job, meta.get("round"))

@@ -17,7 +17,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.abstract.model import ModelLearnableKey, make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 
-from fedpartial_tools import deploy
+from fedpartial_tools import admin, deploy, processes
 from fedpartial.flare.common import GLOBAL_STATS
 from fedpartial.flare.persistor import GLOBAL_MODEL_FILE, FedPartialPersistor
 from fedpartial_tools.jobtools import dataset_overrides, package_job
@@ -38,7 +38,7 @@ def _poc(env, script, *args, timeout=180):
 
 @contextlib.contextmanager
 def _admin(prod: Path):
-    session = deploy.new_admin_session(str(prod / "admin@hospital-a.org"), timeout=60)
+    session = admin.new_admin_session(str(prod / "admin@hospital-a.org"), timeout=60)
     try:
         yield session
     finally:
@@ -47,7 +47,7 @@ def _admin(prod: Path):
 
 def _job_processes(prod: Path, job_id: str) -> dict:
     """Live FLARE processes of one job (server runner_process, sites' worker_process)."""
-    return {p: c for p, c in deploy.live_workspace_processes(str(prod)).items() if job_id in c}
+    return {p: c for p, c in processes.live_workspace_processes(str(prod)).items() if job_id in c}
 
 
 def _wait(what: str, check, timeout: float, poll: float = 0.5):
@@ -79,7 +79,7 @@ def poc_fedavg(poc_state, tmp_path):  # noqa: F811
 def test_admin_abort_ends_a_running_poc_job_and_its_site_processes(poc_fedavg):
     prod = poc_fedavg.prod
     with _admin(prod) as session:
-        deploy.wait_for_clients(session, SITES)
+        admin.wait_for_clients(session, SITES)
         job_id = session.submit_job(poc_fedavg.package("long", "num_rounds=500"))
         site_log = prod / "site-1" / job_id / "log.txt"
         _wait("site-1 trained a round", lambda: site_log.is_file() and "round 1/500" in site_log.read_text(), 90)
@@ -97,7 +97,7 @@ def test_admin_abort_ends_a_running_poc_job_and_its_site_processes(poc_fedavg):
         assert status == "FINISHED:ABORTED" and aborted_s < 30
 
         # the system still runs the next job to the end
-        result = deploy.run_job(session, poc_fedavg.package("short", "num_rounds=1"),
+        result = admin.run_job(session, poc_fedavg.package("short", "num_rounds=1"),
                                 str(poc_fedavg.state / "results"), timeout=120)
         assert result["status"] == "FINISHED:COMPLETED", result
         assert load_model_file(result["global_model"])[1]["round"] == 0
@@ -107,7 +107,7 @@ def test_admin_abort_ends_a_running_poc_job_and_its_site_processes(poc_fedavg):
 def test_server_restart_loses_the_job_and_resume_from_continues_it(poc_fedavg):
     prod, rounds, t0 = poc_fedavg.prod, 3, time.time()
     with _admin(prod) as session:
-        deploy.wait_for_clients(session, SITES)
+        admin.wait_for_clients(session, SITES)
         job_id = session.submit_job(poc_fedavg.package("crash", f"num_rounds={rounds}"))
     saved_model = prod / "server" / job_id / GLOBAL_MODEL_FILE
 
@@ -116,7 +116,7 @@ def test_server_restart_loses_the_job_and_resume_from_continues_it(poc_fedavg):
 
     _wait("round 1 aggregated and saved", lambda: saved_round() >= 1, 90, poll=0.2)
     # the server crashes: its daemon loop, server process and job process (the sites keep running)
-    killed = deploy.kill_workspace_processes(str(prod / "server"))
+    killed = processes.kill_workspace_processes(str(prod / "server"))
     crashed_at, last = time.time(), saved_round()
     assert any("server_train" in c for c in killed.values()), killed
     assert any("runner_process" in c for c in killed.values()), killed
@@ -127,7 +127,7 @@ def test_server_restart_loses_the_job_and_resume_from_continues_it(poc_fedavg):
     print(f"[{time.time() - t0:.0f} s] crash at {crashed_at - t0:.0f} s; server restarted")
 
     with _admin(prod) as session:
-        deploy.wait_for_clients(session, SITES, timeout=90)
+        admin.wait_for_clients(session, SITES, timeout=90)
         # NVFlare 2.9: nothing resumes the job, nothing marks it ended, no snapshot was written
         assert job_id not in [j.job_id for j in session.get_system_info().job_info]
         assert session.get_job_meta(job_id)["status"] == "RUNNING"
@@ -137,7 +137,7 @@ def test_server_restart_loses_the_job_and_resume_from_continues_it(poc_fedavg):
         print(f"[{time.time() - t0:.0f} s] sites reconnected")
 
         # resume as a new job from the last global model the crashed job saved
-        result = deploy.run_job(session, poc_fedavg.package(
+        result = admin.run_job(session, poc_fedavg.package(
             "resumed", f"start_round={last + 1}", f"num_rounds={rounds - last - 1}", f"resume_from={saved_model}"),
             str(poc_fedavg.state / "results"), timeout=120)
     print(f"[{time.time() - t0:.0f} s] crashed after round {last}; resumed job took {result['seconds']} s")

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpartial_tools import deploy
+from fedpartial_tools import admin, processes, provision
 from helpers import tls_reply
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,52 +66,52 @@ class System:
         self.root, self.env, self.procs = root, env, []
 
     def start(self, kit: Path, name: str):
-        proc = deploy.start_kit(str(kit), str(self.root / f"{name}.console.log"), self.env)
+        proc = processes.start_kit(str(kit), str(self.root / f"{name}.console.log"), self.env)
         self.procs.append(proc)
         return proc
 
     def close(self):
         for proc in reversed(self.procs):
-            deploy.stop_group(proc, grace=2.0)
-        deploy.kill_workspace_processes(str(self.root))
+            processes.stop_group(proc, grace=2.0)
+        processes.kill_workspace_processes(str(self.root))
 
 
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     root = tmp_path_factory.mktemp("provisioned")
-    env = deploy.kit_env(str(root))
+    env = provision.kit_env(str(root))
     with pytest.MonkeyPatch.context() as mp:
         # this process too (admin API sessions): HOME / TMPDIR inside the test folder
         mp.setenv("HOME", env["HOME"])
         mp.setenv("TMPDIR", env["TMPDIR"])
         mp.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
-        port = deploy.free_port()
-        project = deploy.localhost_project("fedpartial_test", port, SITES + [SPARE])
-        project_file = deploy.write_project(str(root / "project.yml"), project)
-        prod = Path(deploy.provision(project_file, str(root / "provision"), env=env))
+        port = provision.free_port()
+        project = provision.localhost_project("fedpartial_test", port, SITES + [SPARE])
+        project_file = provision.write_project(str(root / "project.yml"), project)
+        prod = Path(provision.provision(project_file, str(root / "provision"), env=env))
         # the same project provisioned again elsewhere: same names, its own root CA
-        foreign = Path(deploy.provision(project_file, str(root / "provision_foreign"), env=env))
+        foreign = Path(provision.provision(project_file, str(root / "provision_foreign"), env=env))
         server = prod / "localhost"
-        deploy.keep_server_storage_in(str(server), str(root / "storage"))
+        provision.keep_server_storage_in(str(server), str(root / "storage"))
         sys_ = System(root, env)
         try:
             sys_.start(server, "server")
-            admin = deploy.admin_kits(str(prod))
-            kits = {role: kit for kit, role in admin.items()}
+            kit_roles = admin.admin_kits(str(prod))
+            kits = {role: kit for kit, role in kit_roles.items()}
             session = _session(kits["project_admin"], timeout=60)
             for site in SITES:
                 sys_.start(prod / site, site)
-            deploy.wait_for_clients(session, SITES, timeout=90)
+            admin.wait_for_clients(session, SITES, timeout=90)
             session.close()
             yield {"root": root, "prod": prod, "foreign": foreign, "port": port, "kits": kits, "system": sys_}
         finally:
             sys_.close()
-            left = deploy.live_workspace_processes(str(root))
+            left = processes.live_workspace_processes(str(root))
             assert not left, f"processes left behind: {left}"
 
 
 def _session(kit: str, timeout: float = 30):
-    return deploy.new_admin_session(kit, timeout=timeout)
+    return admin.new_admin_session(kit, timeout=timeout)
 
 
 @pytest.mark.slow
@@ -130,7 +130,7 @@ def test_lead_runs_fedlsm_over_mtls_and_downloads_the_model(system, tmp_path):
 
     session = _session(system["kits"]["lead"])
     try:
-        result = deploy.run_job(session, job, str(tmp_path / "download"), timeout=240, log=lambda m: None)
+        result = admin.run_job(session, job, str(tmp_path / "download"), timeout=240, log=lambda m: None)
         meta = session.get_job_meta(result["job_id"])
     finally:
         session.close()
@@ -198,7 +198,7 @@ def test_kits_of_another_provisioning_are_rejected(system):
         while time.time() < deadline and "CERTIFICATE_VERIFY_FAILED" not in (log.read_text() if log.exists() else ""):
             time.sleep(1)
     finally:
-        deploy.stop_group(proc, grace=2.0)
+        processes.stop_group(proc, grace=2.0)
     text = log.read_text() if log.exists() else ""
     assert "CERTIFICATE_VERIFY_FAILED" in text, f"foreign client log:\n{text[-2000:]}"
     assert "Successfully registered" not in text
@@ -210,21 +210,21 @@ def test_kits_of_another_provisioning_are_rejected(system):
 
     # admin level: the foreign project admin cannot open a session; the error says what to check
     with pytest.raises(RuntimeError, match=r"could not log in .*same provisioning as the server"):
-        deploy.new_admin_session(str(foreign / "admin@hospital-a.org"), timeout=5)
+        admin.new_admin_session(str(foreign / "admin@hospital-a.org"), timeout=5)
 
 
 def test_reprovisioning_with_a_new_site_keeps_the_root_ca(tmp_path):
     """Adding a site = add it to project.yml and provision the same workspace again: prod_01 holds the new
     site's kit, signed by the same root CA as prod_00 (running kits keep working)."""
-    env = deploy.kit_env(str(tmp_path))
-    project = deploy.localhost_project("grow", 18002, ["site-1", "site-2"])
-    first = Path(deploy.provision(deploy.write_project(str(tmp_path / "p.yml"), project), str(tmp_path / "ws"), env))
+    env = provision.kit_env(str(tmp_path))
+    project = provision.localhost_project("grow", 18002, ["site-1", "site-2"])
+    first = Path(provision.provision(provision.write_project(str(tmp_path / "p.yml"), project), str(tmp_path / "ws"), env))
     project["participants"].insert(3, {"name": "site-3", "type": "client", "org": "hospital_c"})
-    second = Path(deploy.provision(deploy.write_project(str(tmp_path / "p.yml"), project), str(tmp_path / "ws"), env))
+    second = Path(provision.provision(provision.write_project(str(tmp_path / "p.yml"), project), str(tmp_path / "ws"), env))
     assert (first.name, second.name) == ("prod_00", "prod_01")
     assert not (first / "site-3").exists() and (second / "site-3" / "startup" / "client.crt").is_file()
     ca = (first / "site-1" / "startup" / "rootCA.pem").read_bytes()
     assert (second / "site-3" / "startup" / "rootCA.pem").read_bytes() == ca
-    roles = {Path(k).name: r for k, r in deploy.admin_kits(str(second)).items()}
+    roles = {Path(k).name: r for k, r in admin.admin_kits(str(second)).items()}
     assert roles == {"admin@hospital-a.org": "project_admin", "lead@hospital-a.org": "lead",
                      "orgadmin@hospital-b.org": "org_admin"}

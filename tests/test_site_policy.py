@@ -16,7 +16,7 @@ from nvflare.fuel.sec.authz import AuthzContext, Person
 from nvflare.security.security import FLAuthorizer
 
 import fedpartial
-from fedpartial_tools import deploy
+from fedpartial_tools import provision
 from fedpartial_tools.jobtools import package_job
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ VERSION = fedpartial.__version__
 
 
 def test_runtime_wheel_holds_the_runtime_package_only(tmp_path):
-    wheel = Path(deploy.build_runtime(str(tmp_path)))
+    wheel = Path(provision.build_runtime(str(tmp_path)))
     assert wheel.name == f"fedpartial_runtime-{VERSION}-py3-none-any.whl"
     names = zipfile.ZipFile(wheel).namelist()
     code = [n for n in names if not n.startswith(f"fedpartial_runtime-{VERSION}.dist-info/")]
@@ -72,9 +72,9 @@ def test_server_stops_a_job_for_another_runtime_version(tmp_path):
 
 
 def _provision(tmp_path, **policy):
-    project = deploy.localhost_project("policy", 18102, ["site-1", "site-2"], site_policy=policy)
-    prod = deploy.provision(deploy.write_project(str(tmp_path / "p.yml"), project), str(tmp_path / "ws"),
-                            env=deploy.kit_env(str(tmp_path)))
+    project = provision.localhost_project("policy", 18102, ["site-1", "site-2"], site_policy=policy)
+    prod = provision.provision(provision.write_project(str(tmp_path / "p.yml"), project), str(tmp_path / "ws"),
+                            env=provision.kit_env(str(tmp_path)))
     return Path(prod)
 
 
@@ -140,8 +140,8 @@ def test_site_policy_names_a_bad_privacy_file(tmp_path):
 def test_shipped_projects_use_the_site_policy(name):
     builders = yaml.safe_load((REPO / "provisioning" / name).read_text())["builders"]
     paths = [b["path"] for b in builders]
-    policy = paths.index(deploy.SITE_POLICY_BUILDER)
-    assert policy > paths.index(deploy.STATIC_FILE_BUILDER)  # it edits what StaticFileBuilder wrote
+    policy = paths.index(provision.SITE_POLICY_BUILDER)
+    assert policy > paths.index(provision.STATIC_FILE_BUILDER)  # it edits what StaticFileBuilder wrote
     assert builders[policy]["args"] == {"allow_byoc": False, "class_prefixes": ["fedpartial."], "privacy_file": "privacy.json"}
 
 
@@ -151,9 +151,9 @@ def test_docker_project_writes_compose_and_docker_scripts(tmp_path):
     image = f"fedpartial:{VERSION}"
     project = yaml.safe_load((REPO / "provisioning" / "project_localhost.yml").read_text())
     project["participants"][0]["fed_learn_port"] = 18103
-    derived = deploy.docker_project(project, image, project_dir=str(REPO / "provisioning"))
-    prod = Path(deploy.provision(deploy.write_project(str(tmp_path / "p.yml"), derived),
-                                 str(tmp_path / "ws"), env=deploy.kit_env(str(tmp_path))))
+    derived = provision.docker_project(project, image, project_dir=str(REPO / "provisioning"))
+    prod = Path(provision.provision(provision.write_project(str(tmp_path / "p.yml"), derived),
+                                 str(tmp_path / "ws"), env=provision.kit_env(str(tmp_path))))
     # the derived file lives elsewhere: its privacy file is the shipped one, by absolute path
     assert (prod / "site-1" / "local" / "privacy.json").read_bytes() == \
         (REPO / "provisioning" / "privacy.json").read_bytes()

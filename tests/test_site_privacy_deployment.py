@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpartial_tools import deploy
+from fedpartial_tools import admin, processes, provision
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"),
@@ -57,7 +57,7 @@ def _write_sites(out: Path) -> None:
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     root = tmp_path_factory.mktemp("site_privacy")
-    env = deploy.kit_env(str(root))
+    env = provision.kit_env(str(root))
     procs = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HOME", env["HOME"])
@@ -65,28 +65,28 @@ def system(tmp_path_factory):
         mp.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
         # the kits get provisioning/privacy.json from provisioning (SitePolicyBuilder), as project.yml's do;
         # byoc stays allowed: the test's jobs carry their code
-        project = deploy.localhost_project("privacy_test", deploy.free_port(), SITES, site_policy={
+        project = provision.localhost_project("privacy_test", provision.free_port(), SITES, site_policy={
             "allow_byoc": True, "privacy_file": str(REPO / "provisioning" / "privacy.json")})
-        prod = Path(deploy.provision(deploy.write_project(str(root / "project.yml"), project),
+        prod = Path(provision.provision(provision.write_project(str(root / "project.yml"), project),
                                      str(root / "provision"), env=env))
-        deploy.keep_server_storage_in(str(prod / "localhost"), str(root / "storage"))
+        provision.keep_server_storage_in(str(prod / "localhost"), str(root / "storage"))
         for site in SITES:  # the site's own policy, read by FLARE when the kit starts and for every job
             assert (prod / site / "local" / "privacy.json").read_bytes() == \
                 (REPO / "provisioning" / "privacy.json").read_bytes()
         try:
-            procs.append(deploy.start_kit(str(prod / "localhost"), str(root / "server.console.log"), env))
-            kits = {role: kit for kit, role in deploy.admin_kits(str(prod)).items()}
-            session = deploy.new_admin_session(kits["project_admin"], timeout=60)
+            procs.append(processes.start_kit(str(prod / "localhost"), str(root / "server.console.log"), env))
+            kits = {role: kit for kit, role in admin.admin_kits(str(prod)).items()}
+            session = admin.new_admin_session(kits["project_admin"], timeout=60)
             for site in SITES:
-                procs.append(deploy.start_kit(str(prod / site), str(root / f"{site}.console.log"), env))
-            deploy.wait_for_clients(session, SITES, timeout=90)
+                procs.append(processes.start_kit(str(prod / site), str(root / f"{site}.console.log"), env))
+            admin.wait_for_clients(session, SITES, timeout=90)
             session.close()
             yield {"root": root, "prod": prod, "kits": kits}
         finally:
             for proc in reversed(procs):
-                deploy.stop_group(proc, grace=2.0)
-            deploy.kill_workspace_processes(str(root))
-            left = deploy.live_workspace_processes(str(root))
+                processes.stop_group(proc, grace=2.0)
+            processes.kill_workspace_processes(str(root))
+            left = processes.live_workspace_processes(str(root))
             assert not left, f"processes left behind: {left}"
 
 
@@ -127,9 +127,9 @@ def test_the_site_policy_holds_for_a_job_without_filters(system, tmp_path):
     client["task_data_filters"] = [{"tasks": ["train"], "filters": [recorder]}]
     client_file.write_text(json.dumps(client))
 
-    session = deploy.new_admin_session(system["kits"]["lead"], timeout=30)
+    session = admin.new_admin_session(system["kits"]["lead"], timeout=30)
     try:
-        result = deploy.run_job(session, str(job), str(tmp_path / "download"), timeout=300, log=lambda m: None)
+        result = admin.run_job(session, str(job), str(tmp_path / "download"), timeout=300, log=lambda m: None)
     finally:
         session.close()
     assert result["status"] == "FINISHED:COMPLETED", f"job ended {result['status']}"
@@ -183,9 +183,9 @@ def test_a_job_naming_an_unknown_scope_is_refused(system, tmp_path):
     meta = json.loads(meta_file.read_text())
     meta["scope"] = "no_such_scope"
     meta_file.write_text(json.dumps(meta))
-    session = deploy.new_admin_session(system["kits"]["lead"], timeout=30)
+    session = admin.new_admin_session(system["kits"]["lead"], timeout=30)
     try:
-        result = deploy.run_job(session, str(job), str(tmp_path / "download"), timeout=120, log=lambda m: None)
+        result = admin.run_job(session, str(job), str(tmp_path / "download"), timeout=120, log=lambda m: None)
     finally:
         session.close()
     assert result["status"] == "FINISHED:FAILED_TO_RUN", result["status"]

@@ -33,7 +33,7 @@ def _cmd_simulate(args):
 
 
 def _cmd_package(args):
-    from fedpartial_tools.deploy import site_list
+    from fedpartial_tools.provision import site_list
     from fedpartial_tools.jobtools import check_min_clients, dataset_overrides, package_job
 
     sets = list(args.set)

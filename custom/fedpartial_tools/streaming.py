@@ -399,8 +399,12 @@ def table(results: List[Dict[str, object]], site_bytes: Dict[str, int], args) ->
         return next((r for r in results if r["client"] == client and r["mode"] == "memory" and r["workers"] == 0),
                     None)
 
-    fedavg_streaming = next((r for r in results if r["client"] == "fedavg" and r["mode"] == "streaming"
-                             and r["workers"] == 0), None)
+    def streaming_run(client):
+        return next((r for r in results if r["client"] == client and r["mode"] == "streaming" and r["workers"] == 0),
+                    None)
+
+    # a segmentation method is held against FedAvg on the same masks and UNet ("segmentation")
+    baseline = {"classification": streaming_run("fedavg"), "segmentation": streaming_run("segmentation")}
     bound = (f"cut to --steps {args.steps} batches of {args.batch_size}" if args.steps
              else f"a full epoch of the train split, batches of {args.batch_size}")
     sites = ", ".join(f"{kind} {b / 1e6:.1f} MB on disk" for kind, b in site_bytes.items())
@@ -411,13 +415,14 @@ def table(results: List[Dict[str, object]], site_bytes: Dict[str, int], args) ->
              f"page cache {'kept (--warm)' if args.warm else 'dropped before each streaming run'}",
              "",
              "| run | loader_workers | client | site on disk | peak RSS (ru_maxrss) | peak anon RSS | "
-             "anon RSS / FedAvg streaming | setup s | steps | images/s | data s (read+convert) | "
+             "anon RSS / its FedAvg streaming | setup s | steps | images/s | data s (read+convert) | "
              "ratio streaming / in-memory | images/s of each repeat |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         memory = memory_run(r["client"])
         ratio = f"{r['images_per_s'] / memory['images_per_s']:.3f}" if memory else "–"
-        to_fedavg = f"{r['anon_peak_kb'] / fedavg_streaming['anon_peak_kb']:.2f}" if fedavg_streaming else "–"
+        base = baseline["segmentation" if r["client"] in SEGMENTATION_CLIENTS else "classification"]
+        to_fedavg = f"{r['anon_peak_kb'] / base['anon_peak_kb']:.2f}" if base else "–"
         on_disk = site_bytes["segmentation" if r["client"] in SEGMENTATION_CLIENTS else "classification"]
         lines.append(f"| {MODES[r['mode']]} | {r['workers']} | {r['client']} | {on_disk / 1e6:.1f} MB | "
                      f"{_mb(r['maxrss_kb'])} | {_mb(r['anon_peak_kb'])} | {to_fedavg} | {r['setup_seconds']:.1f} | "
@@ -425,6 +430,8 @@ def table(results: List[Dict[str, object]], site_bytes: Dict[str, int], args) ->
                      f"{', '.join(f'{v:.1f}' for v in r.get('each', [r['images_per_s']]))} |")
     lines += ["", f"{max(1, args.repeats)} repeat(s) per run, round robin; images/s, data s and setup s are medians, "
                   f"RSS the largest; data s = time spent reading + converting batches (whole-site passes included)",
+              "its FedAvg = fedavg for the classification clients, segmentation (FedAvg on the same masks and "
+                  "UNet) for fedia",
               "ratio = images/s over the same client's in-memory run (loader_workers 0); images/s = training "
                   "images / the round's seconds, whole-site passes included; peak anon RSS = memory the kernel "
                   "cannot reclaim (ru_maxrss also counts a memory map's resident, reclaimable pages)"]
