@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpartial_tools import bench
+from fedpartial_tools import bench, bench_report, bench_run, bench_suites
 from fedpartial_tools.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,11 +69,11 @@ def _table_rows(md):
 
 
 def test_pseudo_label_records_and_csv(lsm_out):
-    md = bench.write_pseudo_label_report(str(lsm_out), "fedlsm-ham", log=lambda *_: None)
+    md = bench_report.write_pseudo_label_report(str(lsm_out), "fedlsm-ham", log=lambda *_: None)
     assert md
     with open(lsm_out / "fedlsm-ham_pseudo_labels.csv") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == bench.PSEUDO_FIELDS
+    assert list(rows[0]) == bench_report.PSEUDO_FIELDS
     # 2 seeds x (round 0: site-1 only, rounds 1-2: both sites) x 2 keys
     assert len(rows) == 2 * (1 + 2 + 2) * 2
     assert {r["job"] for r in rows} == {"fedlsm"}
@@ -88,7 +88,7 @@ def test_pseudo_label_records_and_csv(lsm_out):
 
 
 def test_pseudo_label_table_numbers(lsm_out):
-    md = bench.write_pseudo_label_report(str(lsm_out), "fedlsm-ham", log=lambda *_: None)
+    md = bench_report.write_pseudo_label_report(str(lsm_out), "fedlsm-ham", log=lambda *_: None)
     assert (lsm_out / "fedlsm-ham_pseudo_labels.md").read_text() == md
     assert "| round | pseudo_precision | pseudo_recall | num_pseudo_positive: sum of sites (sites > 0) |" in md
     table = _table_rows(md)
@@ -102,7 +102,7 @@ def test_pseudo_label_table_numbers(lsm_out):
 def test_pseudo_label_report_absent_diagnostics(tmp_path):
     _write_metrics(str(tmp_path / "fedirm-ham" / "seed0" / "fedirm" / "metrics.json"), [{"site-1": {"loss": 1.0}}])
     notes = []
-    assert bench.write_pseudo_label_report(str(tmp_path), "fedirm-ham", log=notes.append) is None
+    assert bench_report.write_pseudo_label_report(str(tmp_path), "fedirm-ham", log=notes.append) is None
     assert not list(tmp_path.glob("*_pseudo_labels.*")) and "--diagnostics" in notes[0]
 
 
@@ -110,11 +110,11 @@ def test_fedirm_precision_without_reliable_labels_is_undefined(tmp_path):
     _write_metrics(str(tmp_path / "fedirm-ham" / "seed0" / "fedirm" / "metrics.json"),
                    [{"site-1": {"reliable_fraction": 0.0, "pseudo_precision": 0.0},
                      "site-2": {"reliable_fraction": 0.5, "pseudo_precision": 0.6}}])
-    records = [r for r in bench.pseudo_label_records(str(tmp_path), "fedirm-ham") if r["key"] == "pseudo_precision"]
+    records = [r for r in bench_report.pseudo_label_records(str(tmp_path), "fedirm-ham") if r["key"] == "pseudo_precision"]
     assert [(r["site"], r["value"]) for r in records] == [("site-1", None), ("site-2", 0.6)]
-    assert _table_rows(bench.pseudo_label_table(records))[0] == ["0.600"]
+    assert _table_rows(bench_report.pseudo_label_table(records))[0] == ["0.600"]
     # the share of reliable pseudo labels is shown beside it, zero included: (0 + 0.5) / 2
-    table = bench.pseudo_label_table(bench.pseudo_label_records(str(tmp_path), "fedirm-ham"))
+    table = bench_report.pseudo_label_table(bench_report.pseudo_label_records(str(tmp_path), "fedirm-ham"))
     assert _table_rows(table)[0] == ["0.600", "0.250"]
 
 
@@ -122,12 +122,12 @@ def test_report_without_reference_labels_does_not_claim_them(tmp_path):
     # a FedIRM run without --diagnostics logs reliable_fraction only: no comparison with hidden labels
     _write_metrics(str(tmp_path / "fedirm-ham" / "seed0" / "fedirm" / "metrics.json"),
                    [{"site-1": {"reliable_fraction": 0.5}}])
-    md = bench.write_pseudo_label_report(str(tmp_path), "fedirm-ham", log=lambda *_: None)
+    md = bench_report.write_pseudo_label_report(str(tmp_path), "fedirm-ham", log=lambda *_: None)
     assert "no hidden labels" in md and "against the hidden complete labels" not in md
     assert _table_rows(md)[0] == ["0.500"]
     _write_metrics(str(tmp_path / "fedirm-ham" / "seed0" / "fedirm" / "metrics.json"),
                    [{"site-1": {"reliable_fraction": 0.5, "pseudo_precision": 0.9}}])
-    assert "against the hidden complete labels" in bench.write_pseudo_label_report(str(tmp_path), "fedirm-ham")
+    assert "against the hidden complete labels" in bench_report.write_pseudo_label_report(str(tmp_path), "fedirm-ham")
 
 
 def test_fedmlp_macro_over_classes_not_over_tag_kinds(tmp_path):
@@ -138,17 +138,17 @@ def test_fedmlp_macro_over_classes_not_over_tag_kinds(tmp_path):
         {"site-1": {"tag_precision_Atelectasis": 0.5, "tag_precision_Mass": 1.0, "tag_recall_Atelectasis": 0.2,
                     "tag_precision_pos": 0.9, "tags_total_pos": 12.0},
          "site-2": {"tag_precision_Atelectasis": 0.7, "tag_precision_pos": 0.5, "tags_total_pos": 0.0}}])
-    records = bench.pseudo_label_records(str(tmp_path), "fedmlp-nih")
-    md = bench.pseudo_label_table(records)
+    records = bench_report.pseudo_label_records(str(tmp_path), "fedmlp-nih")
+    md = bench_report.pseudo_label_table(records)
     assert "| round | tag_precision | tag_recall | tag_precision_pos | tags_total_pos: sum of sites (sites > 0) |" in md
     assert _table_rows(md)[0] == ["0.725", "0.200", "0.700", "12 (1/2)"]
 
 
 def test_shown_rounds():
-    assert bench.shown_rounds(range(20)) == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 19]
-    assert bench.shown_rounds(range(20), every=5) == [0, 5, 10, 15, 19]
-    assert bench.shown_rounds([2, 0, 1]) == [0, 1, 2]
-    assert bench.shown_rounds([]) == []
+    assert bench_report.shown_rounds(range(20)) == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 19]
+    assert bench_report.shown_rounds(range(20), every=5) == [0, 5, 10, 15, 19]
+    assert bench_report.shown_rounds([2, 0, 1]) == [0, 1, 2]
+    assert bench_report.shown_rounds([]) == []
 
 
 def test_bad_metrics_files_name_the_file(tmp_path):
@@ -156,10 +156,10 @@ def test_bad_metrics_files_name_the_file(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     with pytest.raises(ValueError, match="metrics.json is not valid JSON"):
-        bench.pseudo_label_records(str(tmp_path), "fedlsm-ham")
+        bench_report.pseudo_label_records(str(tmp_path), "fedlsm-ham")
     path.write_text(json.dumps({"round": []}))
     with pytest.raises(ValueError, match="metrics.json has no 'rounds' list"):
-        bench.pseudo_label_records(str(tmp_path), "fedlsm-ham")
+        bench_report.pseudo_label_records(str(tmp_path), "fedlsm-ham")
 
 
 # --- which jobs read the reference copies ----------------------------------------------------
@@ -174,23 +174,23 @@ def test_diagnostics_reach_the_method_job_only(tmp_path, monkeypatch):
     monkeypatch.setattr(jobtools, "dataset_overrides", lambda root: ["model.task=single-label"])
     monkeypatch.setattr(jobtools, "simulate", lambda job, root, ws, sets, log=None: calls.append(
         (os.path.basename(job), list(sets))))
-    monkeypatch.setattr(bench, "_evaluate_row", lambda name, suite, job, seed, *a: {
+    monkeypatch.setattr(bench_run, "_evaluate_row", lambda name, suite, job, seed, *a: {
         "suite": name, "method": job, "seed": seed, **{k: 0.5 for k in suite.metrics}})
-    rows = bench.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
-                           extra=["rule_args.lr=0.01"], diagnostics=True, log=lambda *_: None)
-    with_ref = [job for job, sets in calls if bench.REFERENCE_SET in sets]
+    rows = bench_run.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
+                               extra=["rule_args.lr=0.01"], diagnostics=True, log=lambda *_: None)
+    with_ref = [job for job, sets in calls if bench_run.REFERENCE_SET in sets]
     # 3 baselines, the method and its two variants (which run the method's job folder)
     assert with_ref == ["fedlsm", "fedlsm", "fedlsm"] and len(calls) == 6
     assert all("seed=3" in sets and "rule_args.lr=0.01" in sets for _, sets in calls)
     assert json.loads(rows[0]["bench_args"]) == {"profile": "cpu", "rounds": None, "sets": ["rule_args.lr=0.01"],
                                                  "diagnostics": True}
     calls.clear()
-    bench.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
-                    log=lambda *_: None)
-    assert not any(bench.REFERENCE_SET in sets for _, sets in calls)
+    bench_run.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
+                        log=lambda *_: None)
+    assert not any(bench_run.REFERENCE_SET in sets for _, sets in calls)
     with pytest.raises(ValueError, match="use --diagnostics"):
-        bench.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
-                        extra=["client.reference_file=reference/{site}_full.npz"])
+        bench_run.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
+                            extra=["client.reference_file=reference/{site}_full.npz"])
 
 
 def test_user_command_line_offers_no_developer_command():
@@ -208,7 +208,7 @@ def test_user_command_line_offers_no_developer_command():
 
 def test_cli_flags_parse():
     args = build_parser(developer=True).parse_args(["bench", "--suite", "fedlsm-ham", "--out", "x", "--diagnostics", "--readme",
-                                      "R.md", "--copy-plots", "docs/results", "--every", "5"])
+                                                    "R.md", "--copy-plots", "docs/results", "--every", "5"])
     assert args.diagnostics and args.readme == "R.md" and args.copy_plots == "docs/results" and args.every == 5
     assert args.overlay_images == 4
     args = build_parser(developer=True).parse_args(["bench-report", "--out", "x", "--overlays", "--overlay-images", "2"])
@@ -227,7 +227,7 @@ def _masks():
 
 def test_overlay_colours_on_a_drawn_mask():
     truth, pred = _masks()
-    rgb = bench.overlay_rgb(np.zeros((4, 4), np.uint8), truth, pred, alpha=1.0)
+    rgb = bench_report.overlay_rgb(np.zeros((4, 4), np.uint8), truth, pred, alpha=1.0)
     green, red, blue, black = [0, 1, 0], [1, 0, 0], [0, 0, 1], [0, 0, 0]
     assert rgb[0, 0].tolist() == green and rgb[0, 1].tolist() == green      # TP
     assert rgb[1, 0].tolist() == red and rgb[1, 1].tolist() == red          # FN
@@ -235,13 +235,13 @@ def test_overlay_colours_on_a_drawn_mask():
     assert rgb[2, 2].tolist() == black                                      # TN: the image
     # blended over an RGB image of grey 102/255 = 0.4 (mean of the channels): TN keeps 0.4
     img = np.full((4, 4, 3), 102, np.uint8)
-    rgb = bench.overlay_rgb(img, truth, pred, alpha=0.5)
+    rgb = bench_report.overlay_rgb(img, truth, pred, alpha=0.5)
     np.testing.assert_allclose(rgb[0, 0], [0.2, 0.7, 0.2])
     np.testing.assert_allclose(rgb[1, 0], [0.7, 0.2, 0.2])
     np.testing.assert_allclose(rgb[3, 3], [0.2, 0.2, 0.7])
     np.testing.assert_allclose(rgb[2, 2], [0.4, 0.4, 0.4])
     with pytest.raises(ValueError, match="same"):
-        bench.overlay_rgb(np.zeros((4, 5)), truth, pred)
+        bench_report.overlay_rgb(np.zeros((4, 5)), truth, pred)
 
 
 def test_plot_overlays_dice_per_panel(tmp_path):
@@ -252,7 +252,7 @@ def test_plot_overlays_dice_per_panel(tmp_path):
     truths = np.stack([truth, np.zeros_like(truth)])
     preds = {"a": np.stack([pred, np.zeros_like(pred)]), "b": np.stack([truth, pred])}
     path = str(tmp_path / "grid.png")
-    dice = bench.plot_overlays(images, truths, preds, path, title="t")
+    dice = bench_report.plot_overlays(images, truths, preds, path, title="t")
     # a: image 0 Dice 2*2/(4+3) = 4/7; image 1 empty vs empty = 1. b: perfect, then 1 FP px on empty = 0
     np.testing.assert_allclose(dice["a"], [4 / 7, 1.0])
     np.testing.assert_allclose(dice["b"], [1.0, 0.0])
@@ -274,11 +274,11 @@ def test_write_overlays_uses_the_evaluation_path(tmp_path):
     meta = {"class_names": ["lesion"], "task": "segmentation", "input_size": [8, 8],  # resized like the bench
             "normalisation": {"mean": 0.3, "std": 0.2}}
     name = "fedia-dsb-m0"
-    for i, job in enumerate(bench.SUITES[name].jobs):
+    for i, job in enumerate(bench_suites.SUITES[name].jobs):
         torch.manual_seed(i)
         model = build_model("unet", 1, 1, channels=(4, 8), strides=(2,), num_res_units=0)
         save_model_file(tmp_path / name / "seed0" / job / "global_model.pt", model, meta)
-    path, dice = bench.write_overlays(name, str(tmp_path), 0, source, n_images=10, device="cpu")
+    path, dice = bench_report.write_overlays(name, str(tmp_path), 0, source, n_images=10, device="cpu")
     assert path == str(tmp_path / f"{name}_overlays_seed0.png") and os.path.isfile(path)
     assert list(dice) == ["fedavg_seg", "fedavg_seg_full", "fedia", "fedia_no_correction", "fedia_keep_weighting",
                           "fedia_paper_threshold", "fedia_lesionwise", "fedia_lesionwise_late_retry"]
@@ -288,17 +288,17 @@ def test_write_overlays_uses_the_evaluation_path(tmp_path):
         probs = predict_split(model, test, "segmentation", meta_read["normalisation"], "cpu")
         expected = segmentation_metrics(probs > 0.5, test.labels > 0)["dice"]
         assert len(dice[job]) == 5 and np.mean(dice[job]) == pytest.approx(expected)
-    assert bench.overlay_indices(133, 4).tolist() == [0, 44, 88, 132]
+    assert bench_report.overlay_indices(133, 4).tolist() == [0, 44, 88, 132]
 
 
 # --- README section --------------------------------------------------------------------------
 def _rows(suite, seeds, bench_args=None, jobs=None):
     out = []
     for seed in seeds:
-        for job in jobs or bench.SUITES[suite].jobs:
+        for job in jobs or bench_suites.SUITES[suite].jobs:
             r = {"suite": suite, "method": job, "seed": seed, "rounds": 20, "per_class_auc": json.dumps({"a": 0.7}),
                  "curve": json.dumps([0.5, 0.6]), "dataset": "d", "scenario": "s", "split_options": "{}"}
-            r.update({k: 0.5 + 0.1 * (job == bench.SUITES[suite].upper) for k in bench.SUITES[suite].metrics})
+            r.update({k: 0.5 + 0.1 * (job == bench_suites.SUITES[suite].upper) for k in bench_suites.SUITES[suite].metrics})
             if bench_args is not None:
                 r["bench_args"] = json.dumps(bench_args)
             out.append(r)
@@ -309,10 +309,10 @@ def test_bench_commands(tmp_path):
     cpu = {"profile": "cpu", "rounds": None, "sets": ["rule_args.lr=0.01"], "diagnostics": True}
     rows = (_rows("fedlsm-ham", [0, 1], cpu) + _rows("fedlsm-ham", [2], {**cpu, "rounds": 5, "sets": []}, ["fedlsm"])
             + _rows("fedirm-ham", [0]))  # no bench_args: rows from before bench recorded them
-    for r in rows[-len(bench.SUITES["fedirm-ham"].jobs):]:
+    for r in rows[-len(bench_suites.SUITES["fedirm-ham"].jobs):]:
         r["rounds"] = 30.0
-    out = os.path.join(bench.REPO, "runs", "b")
-    cmds = bench.bench_commands(rows, out)
+    out = os.path.join(bench_suites.REPO, "runs", "b")
+    cmds = bench_report.bench_commands(rows, out)
     assert cmds["fedlsm-ham"] == [
         "python -m fedpartial_tools bench --suite fedlsm-ham --seeds 0,1 --profile cpu --diagnostics "
         "--set rule_args.lr=0.01 --out runs/b",
@@ -324,35 +324,35 @@ def test_bench_commands(tmp_path):
     # quoting of settings with shell characters
     rows = _rows("fedlsm-ham", [0], {"profile": "gpu", "rounds": None, "sets": ['model.arch_args={"a": 1}'],
                                      "diagnostics": False})
-    assert "--profile gpu --set 'model.arch_args={\"a\": 1}' --out /elsewhere" in bench.bench_commands(
+    assert "--profile gpu --set 'model.arch_args={\"a\": 1}' --out /elsewhere" in bench_report.bench_commands(
         rows, "/elsewhere")["fedlsm-ham"][0]
 
 
 def test_replace_between_markers(tmp_path):
     readme = tmp_path / "R.md"
-    readme.write_text(f"head\n{bench.README_BEGIN}\nold\n{bench.README_END}\ntail\n")
-    bench.replace_between_markers(str(readme), "new table\n")
-    assert readme.read_text() == f"head\n{bench.README_BEGIN}\nnew table\n{bench.README_END}\ntail\n"
-    bench.replace_between_markers(str(readme), "again")  # idempotent frame
-    assert readme.read_text() == f"head\n{bench.README_BEGIN}\nagain\n{bench.README_END}\ntail\n"
-    for text, msg in ((f"{bench.README_BEGIN}\n", "found 0"), (f"{bench.README_BEGIN}{bench.README_BEGIN}"
-                                                               f"{bench.README_END}", "found 2"),
-                      (f"{bench.README_END}\n{bench.README_BEGIN}", "comes before")):
+    readme.write_text(f"head\n{bench_report.README_BEGIN}\nold\n{bench_report.README_END}\ntail\n")
+    bench_report.replace_between_markers(str(readme), "new table\n")
+    assert readme.read_text() == f"head\n{bench_report.README_BEGIN}\nnew table\n{bench_report.README_END}\ntail\n"
+    bench_report.replace_between_markers(str(readme), "again")  # idempotent frame
+    assert readme.read_text() == f"head\n{bench_report.README_BEGIN}\nagain\n{bench_report.README_END}\ntail\n"
+    for text, msg in ((f"{bench_report.README_BEGIN}\n", "found 0"), (f"{bench_report.README_BEGIN}{bench_report.README_BEGIN}"
+                                                                      f"{bench_report.README_END}", "found 2"),
+                      (f"{bench_report.README_END}\n{bench_report.README_BEGIN}", "comes before")):
         readme.write_text(text)
         with pytest.raises(ValueError, match=msg):
-            bench.replace_between_markers(str(readme), "x")
+            bench_report.replace_between_markers(str(readme), "x")
         assert readme.read_text() == text  # untouched on error
 
 
 def test_update_readme_links_copies(tmp_path, lsm_out):
     out = lsm_out  # holds the FedLSM workspaces of the pseudo-label tests
     rows = _rows("fedlsm-ham", [0, 1], {"profile": "cpu", "rounds": None, "sets": [], "diagnostics": True})
-    bench.write_reports(rows, str(out))
-    bench.write_pseudo_label_report(str(out), "fedlsm-ham", log=lambda *_: None)
+    bench_report.write_reports(rows, str(out))
+    bench_report.write_pseudo_label_report(str(out), "fedlsm-ham", log=lambda *_: None)
     (tmp_path / "repo").mkdir()
     readme = tmp_path / "repo" / "README.md"
-    readme.write_text(f"# x\n\n{bench.README_BEGIN}\n{bench.README_END}\n")
-    section = bench.update_readme(str(out), str(readme), copy_plots=str(tmp_path / "repo" / "docs" / "results"))
+    readme.write_text(f"# x\n\n{bench_report.README_BEGIN}\n{bench_report.README_END}\n")
+    section = bench_report.update_readme(str(out), str(readme), copy_plots=str(tmp_path / "repo" / "docs" / "results"))
     text = readme.read_text()
     assert section.strip() in text
     copied = sorted(os.listdir(tmp_path / "repo" / "docs" / "results"))
@@ -364,12 +364,12 @@ def test_update_readme_links_copies(tmp_path, lsm_out):
     assert "python -m fedpartial_tools bench --suite fedlsm-ham --seeds 0,1 --profile cpu --diagnostics --out " in text
     assert "pseudo-label quality of `fedlsm`" in text and "| 1 | 0.775 ± 0.025 |" in text
     # without copies the links point into the bench folder, relative to the README
-    bench.update_readme(str(out), str(readme))
+    bench_report.update_readme(str(out), str(readme))
     rel = os.path.relpath(str(out / "fedlsm-ham_curves.png"), str(tmp_path / "repo"))
     assert f"]({rel})" in readme.read_text()
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="results.csv"):
-        bench.update_readme(str(tmp_path / "empty"), str(readme))
+        bench_report.update_readme(str(tmp_path / "empty"), str(readme))
 
 
 def test_variants_run_the_method_job_with_their_settings(monkeypatch, tmp_path):
@@ -379,21 +379,21 @@ def test_variants_run_the_method_job_with_their_settings(monkeypatch, tmp_path):
     monkeypatch.setattr("fedpartial_tools.jobtools.simulate", lambda job, root, ws, sets, log=None: calls.append((job, ws, sets)))
     monkeypatch.setattr("fedpartial_tools.partition.split_file", lambda *a, **k: None)
     monkeypatch.setattr("fedpartial_tools.jobtools.dataset_overrides", lambda d: [])
-    monkeypatch.setattr(bench, "_evaluate_row", lambda name, suite, job, seed, ws, source, sec: {"method": job})
+    monkeypatch.setattr(bench_run, "_evaluate_row", lambda name, suite, job, seed, ws, source, sec: {"method": job})
     src = tmp_path / "dsb2018_nuclei_256.npz"
     src.write_bytes(b"")
-    rows = bench.run_suite("fedia-dsb-m2", str(tmp_path), seeds=[0], data_dir=str(tmp_path),
-                           jobs=["fedia_no_correction"], diagnostics=True, overlay_images=0, log=lambda *_: None)
+    rows = bench_run.run_suite("fedia-dsb-m2", str(tmp_path), seeds=[0], data_dir=str(tmp_path),
+                               jobs=["fedia_no_correction"], diagnostics=True, overlay_images=0, log=lambda *_: None)
     (job, ws, sets), = calls
     assert job.endswith(os.path.join("jobs", "fedia")) and ws.endswith(os.path.join("seed0", "fedia_no_correction"))
-    assert "rule_args.use_correction=false" in sets and bench.REFERENCE_SET in sets
+    assert "rule_args.use_correction=false" in sets and bench_run.REFERENCE_SET in sets
     assert rows[0]["method"] == "fedia_no_correction"
     with pytest.raises(ValueError, match="no job.*fedia_typo"):
-        bench.run_suite("fedia-dsb-m2", str(tmp_path), seeds=[0], data_dir=str(tmp_path), jobs=["fedia_typo"])
+        bench_run.run_suite("fedia-dsb-m2", str(tmp_path), seeds=[0], data_dir=str(tmp_path), jobs=["fedia_typo"])
 
 
 def test_auc_axis_floor_keeps_low_bars_visible():
-    from fedpartial_tools.bench import auc_axis_floor
+    from fedpartial_tools.bench_report import auc_axis_floor
 
     assert auc_axis_floor([0.9, 0.55]) == 0.4  # the usual floor
     assert auc_axis_floor([0.9, 0.376, float("nan")]) == pytest.approx(0.3)  # CT-ICH Subdural, 0.376
@@ -405,7 +405,7 @@ _SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @pytest.mark.skipif(not _SHARED.is_dir(), reason=f"real data folder {_SHARED} is absent")
-@pytest.mark.parametrize("name", sorted(bench.SUITES))
+@pytest.mark.parametrize("name", sorted(bench_suites.SUITES))
 def test_every_profile_builds_a_model_that_runs_on_its_data(name):
     """Each profile's settings (the GPU one has never run here) give every job of the suite a model
     that takes the profile's data at its image size: e.g. DenseNet-121 needs HAM10000 at 64 px,
@@ -415,7 +415,7 @@ def test_every_profile_builds_a_model_that_runs_on_its_data(name):
     from fedpartial.flare.common import build_model_from_settings, model_settings
     from fedpartial_tools.jobtools import _config_paths, apply_overrides
 
-    suite = bench.SUITES[name]
+    suite = bench_suites.SUITES[name]
     for profile, sets in suite.overrides.items():
         if suite.generator:  # made by the bench, not in ../shared/data
             from fedpartial_tools import synthetic
@@ -450,22 +450,22 @@ def test_a_profile_on_other_data_refuses_a_split_made_from_another_file(tmp_path
     sites.mkdir(parents=True)
     (sites / "split_summary.json").write_text(json.dumps({"source": "/data/ham10000_28.npz"}))
     with pytest.raises(ValueError, match=r"split from ham10000_28.npz, but the gpu profile .* ham10000_64.npz"):
-        bench.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[0], profile="gpu", data_dir=str(data_dir),
-                        log=lambda *_: None)
+        bench_run.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[0], profile="gpu", data_dir=str(data_dir),
+                            log=lambda *_: None)
 
 
 def test_reports_list_suites_in_suite_order_whatever_the_row_order():
     rows = [{"suite": "fedia-dsb-m2"}, {"suite": "fedlsm-ham"}, {"suite": "fedirm-ham"}, {"suite": "fedlsm-ham"}]
-    assert bench.suites_of(rows) == ["fedlsm-ham", "fedirm-ham", "fedia-dsb-m2"]
+    assert bench_suites.suites_of(rows) == ["fedlsm-ham", "fedirm-ham", "fedia-dsb-m2"]
 
 
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_every_baseline_runs_with_its_methods_model_and_recipe(profile):
     """A row compares rules: in every suite each baseline gets the method's network, image size,
     learning rate, batch size, weight decay and rounds (the bench's matched_sets)."""
-    from fedpartial_tools.bench import SHARED_MODEL_KEYS, SHARED_RULE_KEYS, job_settings, matched_sets
+    from fedpartial_tools.bench_suites import SHARED_MODEL_KEYS, SHARED_RULE_KEYS, job_settings, matched_sets
 
-    for name, suite in bench.SUITES.items():
+    for name, suite in bench_suites.SUITES.items():
         method_task = job_settings(suite.method)["model"]["task"]
         # what dataset_overrides would set from the site files: the same for every job of a suite
         data_sets = ['model.class_names=["a","b","c"]', f"model.task={method_task}", "model.in_channels=1",
@@ -483,7 +483,7 @@ def test_every_baseline_runs_with_its_methods_model_and_recipe(profile):
                     continue
                 assert mine == theirs, (name, profile, job, key, mine, theirs)
     # the check has teeth: without matching, fedmlp's baselines would run a shallower network
-    suite = bench.SUITES["fedmlp-ctich"]
+    suite = bench_suites.SUITES["fedmlp-ctich"]
     assert any(s.startswith("model.arch_args=") for s in matched_sets(suite, "fedavg", suite.overrides["cpu"]))
 
 
@@ -491,15 +491,15 @@ def test_shipped_method_jobs_are_the_cpu_profile_of_their_tables():
     """The CPU-profile figures (README's results, docs/RESULTS.md) are what the jobs do as shipped
     (docs/METHODS.md): the bench's CPU profile changes nothing on a suite's method job except the
     departures the suite names, with a reason."""
-    from fedpartial_tools.bench import profile_departures
+    from fedpartial_tools.bench_suites import profile_departures
 
-    for name, suite in bench.SUITES.items():
+    for name, suite in bench_suites.SUITES.items():
         changed = profile_departures(suite, "cpu")
         undeclared = [k for k in changed if k not in suite.cpu_departures]
         assert not undeclared, f"{name}: the CPU profile changes {undeclared} of jobs/{suite.method} without a reason"
         assert all(suite.cpu_departures[k] for k in changed)
     # the check has teeth: the GPU profile (a bigger network) does change the shipped job
-    assert "model.arch" in profile_departures(bench.SUITES["fedlsm-ham"], "gpu")
+    assert "model.arch" in profile_departures(bench_suites.SUITES["fedlsm-ham"], "gpu")
 
 
 def test_shifted_test_metrics_come_from_the_shifted_images(tmp_path, monkeypatch):
@@ -511,7 +511,7 @@ def test_shifted_test_metrics_come_from_the_shifted_images(tmp_path, monkeypatch
     from fedpartial.models import build_model, save_model_file
     from fedpartial_tools import synthetic
 
-    suite = bench.SUITES["fedlsm-ham"]
+    suite = bench_suites.SUITES["fedlsm-ham"]
     assert suite.shifted_test == "acquisition_shift" and {"auc_shift", "f1_shift"} <= set(suite.metrics)
     data = synthetic.make_classification("single-label", num_classes=3, n_train=8, n_val=4, n_test=40,
                                          size=8, channels=3, seed=0)
@@ -526,7 +526,7 @@ def test_shifted_test_metrics_come_from_the_shifted_images(tmp_path, monkeypatch
     called = []
     real = synthetic.acquisition_shift
     monkeypatch.setattr(synthetic, "acquisition_shift", lambda x: called.append(x.shape) or real(x))
-    row = bench._evaluate_row("fedlsm-ham", suite, "fedlsm", 0, str(tmp_path), source, 1.0)
+    row = bench_run._evaluate_row("fedlsm-ham", suite, "fedlsm", 0, str(tmp_path), source, 1.0)
     assert called == [(40, 8, 8, 3)]
     test = data.splits["test"]
     shifted = dataclasses.replace(test, images=real(np.asarray(test.images)))
@@ -540,10 +540,10 @@ def test_fedia_lesions_job_is_what_the_real_lesion_suites_measure():
     """The leave-one-patient-out MS suites run jobs/fedia_lesions and its FedAvg baselines exactly
     as shipped (only classes and size fitted to the data), and the baselines share its model,
     rounds and recipe; fedia_lesions_paper is the same job with the paper's weighting."""
-    from fedpartial_tools.bench import job_settings
+    from fedpartial_tools.bench_suites import job_settings
 
     for name in ("ms-p7-m2", "ms-p7-m3", "ms-p19-m2", "ms-p19-m3"):
-        suite = bench.SUITES[name]
+        suite = bench_suites.SUITES[name]
         assert (suite.method, suite.lower, suite.upper) == ("fedia_lesions", "fedavg_seg_lesions",
                                                             "fedavg_seg_full_lesions")
         assert not suite.overrides and not suite.method_overrides and suite.holdout_patient in (7, 19)

@@ -59,7 +59,7 @@ def system(tmp_path_factory):
         mp.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
         port = provision.free_port()
         project_file = provision.write_project(str(root / "project.yml"),
-                                            provision.localhost_project(PROJECT, port, ["site-1"]))
+                                               provision.localhost_project(PROJECT, port, ["site-1"]))
         ws = root / "ws"
         prod = Path(provision.provision(project_file, str(ws), env=env))
         provision.keep_server_storage_in(str(prod / "localhost"), str(root / "storage"))

@@ -99,7 +99,7 @@ def test_cert_expiry_command_exit_code(kits):
 def test_renewal_reissues_only_the_named_kit_with_the_same_root_ca(tmp_path):
     env = provision.kit_env(str(tmp_path))
     project_file = provision.write_project(str(tmp_path / "p.yml"),
-                                        provision.localhost_project("renew", 18003, ["site-1", "site-2"]))
+                                           provision.localhost_project("renew", 18003, ["site-1", "site-2"]))
     first = Path(provision.provision(project_file, str(tmp_path / "ws"), env))
     time.sleep(1.1)  # certificates carry whole seconds
     # re-provisioning alone keeps the stored certificate (same expiry)

@@ -68,9 +68,9 @@ def system(tmp_path_factory):
         mp.setenv("TMPDIR", env["TMPDIR"])
         mp.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
         project = provision.localhost_project("fedpartial_rt", provision.free_port(), SITES,
-                                           site_policy={"allow_byoc": False})
+                                              site_policy={"allow_byoc": False})
         prod = Path(provision.provision(provision.write_project(str(root / "project.yml"), project),
-                                     str(root / "provision"), env=provision.kit_env(str(root))))
+                                        str(root / "provision"), env=provision.kit_env(str(root))))
         server = prod / "localhost"
         # The coordinating centre's server keeps FLARE's default (byoc allowed): each hospital's
         # site must refuse code on its own policy, whatever the server permits.

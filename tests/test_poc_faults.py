@@ -98,7 +98,7 @@ def test_admin_abort_ends_a_running_poc_job_and_its_site_processes(poc_fedavg):
 
         # the system still runs the next job to the end
         result = admin.run_job(session, poc_fedavg.package("short", "num_rounds=1"),
-                                str(poc_fedavg.state / "results"), timeout=120)
+                               str(poc_fedavg.state / "results"), timeout=120)
         assert result["status"] == "FINISHED:COMPLETED", result
         assert load_model_file(result["global_model"])[1]["round"] == 0
 

@@ -182,7 +182,7 @@ def _tls_reply(startup: Path, ca: Path, port: int) -> bytes:
 def test_kits_of_another_provisioning_are_rejected(system):
     prod, foreign, port = system["prod"], system["foreign"], system["port"]
     assert (foreign / SPARE / "startup" / "rootCA.pem").read_bytes() != (prod / SPARE / "startup" /
-                                                                          "rootCA.pem").read_bytes()
+                                                                         "rootCA.pem").read_bytes()
     # TLS level: the server answers a request made with its own project's certificate (control) and drops
     # one made with the other project's certificate, even when the client trusts the server's CA.
     own_ca = prod / SPARE / "startup" / "rootCA.pem"

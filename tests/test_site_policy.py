@@ -74,7 +74,7 @@ def test_server_stops_a_job_for_another_runtime_version(tmp_path):
 def _provision(tmp_path, **policy):
     project = provision.localhost_project("policy", 18102, ["site-1", "site-2"], site_policy=policy)
     prod = provision.provision(provision.write_project(str(tmp_path / "p.yml"), project), str(tmp_path / "ws"),
-                            env=provision.kit_env(str(tmp_path)))
+                               env=provision.kit_env(str(tmp_path)))
     return Path(prod)
 
 
@@ -153,7 +153,7 @@ def test_docker_project_writes_compose_and_docker_scripts(tmp_path):
     project["participants"][0]["fed_learn_port"] = 18103
     derived = provision.docker_project(project, image, project_dir=str(REPO / "provisioning"))
     prod = Path(provision.provision(provision.write_project(str(tmp_path / "p.yml"), derived),
-                                 str(tmp_path / "ws"), env=provision.kit_env(str(tmp_path))))
+                                    str(tmp_path / "ws"), env=provision.kit_env(str(tmp_path))))
     # the derived file lives elsewhere: its privacy file is the shipped one, by absolute path
     assert (prod / "site-1" / "local" / "privacy.json").read_bytes() == \
         (REPO / "provisioning" / "privacy.json").read_bytes()

@@ -68,7 +68,7 @@ def system(tmp_path_factory):
         project = provision.localhost_project("privacy_test", provision.free_port(), SITES, site_policy={
             "allow_byoc": True, "privacy_file": str(REPO / "provisioning" / "privacy.json")})
         prod = Path(provision.provision(provision.write_project(str(root / "project.yml"), project),
-                                     str(root / "provision"), env=env))
+                                        str(root / "provision"), env=env))
         provision.keep_server_storage_in(str(prod / "localhost"), str(root / "storage"))
         for site in SITES:  # the site's own policy, read by FLARE when the kit starts and for every job
             assert (prod / site / "local" / "privacy.json").read_bytes() == \

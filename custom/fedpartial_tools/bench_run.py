@@ -1,0 +1,219 @@
+"""Running a bench suite: make each seed's split, run every job in the FLARE simulator with the
+same seed and rounds, and evaluate the final global model on the source's test split.
+"""
+
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import List, Optional
+
+import numpy as np
+
+from fedpartial_tools.bench_report import load_for_eval, write_overlays
+from fedpartial_tools.bench_suites import DEFAULT_DATA, REPO, SUITES, Suite, is_segmentation, matched_sets
+
+
+def _curve(metrics_file: str, key: str) -> List[float]:
+    """Mean over sites of the validation ``key`` of the model each round started from; for a
+    Dice key of segmentation sites, the Dice pooled over every site's val pixels."""
+    from fedpartial.metrics.segmentation import pooled_validation
+
+    if not os.path.isfile(metrics_file):
+        return []
+    rounds = json.load(open(metrics_file))["rounds"]
+    out = []
+    for r in rounds:
+        pooled = pooled_validation({k: s.get("val") for k, s in r["sites"].items()}) if key.startswith("dice") else None
+        if pooled is not None:
+            out.append(float(pooled["dice_pooled"]))
+            continue
+        vals = [s.get("val", {}).get(key) for s in r["sites"].values()]
+        vals = [v for v in vals if v is not None]
+        out.append(float(np.mean(vals)) if vals else float("nan"))
+    return out
+
+
+# Only the method job reads the reference copies, and only to log diagnostics (training never
+# uses them): the baselines must stay exactly the runs they are without --diagnostics.
+REFERENCE_SET = "reference_file=reference/{site}_full.npz"
+
+
+def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", data_dir: str = DEFAULT_DATA,
+              rounds: Optional[int] = None, jobs: Optional[List[str]] = None, extra: List[str] = (),
+              diagnostics: bool = False, overlay_images: int = 4, log=print) -> List[dict]:
+    """Run one suite for ``seeds``; returns the result rows (also appended to results.csv).
+
+    Args:
+        name: a key of :data:`SUITES`.
+        out_dir: output folder.
+        seeds: seeds (each gives its own split and runs).
+        profile: ``cpu`` or ``gpu`` overrides.
+        data_dir: folder of the source ``.npz`` files.
+        rounds: overrides the profile's round count.
+        jobs: subset of the suite's jobs to run (default all).
+        extra: more ``--set`` items for every job.
+        diagnostics: the method job (only) logs pseudo-label quality against the hidden complete
+            labels (``reference_file``); see :func:`write_pseudo_label_report`.
+        overlay_images: segmentation suites: test images in ``<suite>_overlays_seed<k>.png`` after
+            each seed (0 = no overlays).
+    """
+    from fedpartial_tools.partition import split_file
+    from fedpartial_tools.jobtools import dataset_overrides, simulate
+
+    suite = SUITES[name]
+    source = suite_source(suite, profile, data_dir, out_dir)
+    if any(item.split("=", 1)[0].split(".")[-1] == "reference_file" for item in extra):
+        raise ValueError("--set reference_file=... would reach the baselines too; use --diagnostics, which sets it "
+                         "for the method job only")
+    jobs = list(jobs or suite.jobs)
+    unknown = [j for j in jobs if j not in suite.jobs]
+    if unknown:
+        raise ValueError(f"suite '{name}' has no job {unknown}; its jobs: {suite.jobs}")
+    # What reproduces these rows (the README shows it as a bench command line).
+    bench_args = json.dumps({"profile": profile, "rounds": rounds, "sets": list(extra), "diagnostics": diagnostics})
+    rows = []
+    for seed in seeds:
+        split_dir = os.path.join(out_dir, name, f"seed{seed}", "sites")
+        summary_path = os.path.join(split_dir, "split_summary.json")
+        if not os.path.isfile(summary_path):
+            made = split_file(source, suite.scenario, sites=suite.sites, seed=seed, out=split_dir,
+                              **suite.split_options)
+            for warning in (made or {}).get("warnings", []):
+                print(f"{name} seed {seed}: WARNING: {warning}", flush=True)
+        else:
+            made_from = os.path.basename(str(json.load(open(summary_path)).get("source", "")))
+            if made_from and made_from != os.path.basename(source):
+                raise ValueError(f"'{split_dir}' was split from {made_from}, but the {profile} profile of suite "
+                                 f"'{name}' runs on {os.path.basename(source)}: give another --out")
+        sets = dataset_overrides(split_dir) + list(suite.overrides.get(profile, [])) + [f"seed={seed}"]
+        if rounds:
+            sets.append(f"num_rounds={rounds}")
+        sets += list(extra)
+        for job in jobs:
+            ws = os.path.join(out_dir, name, f"seed{seed}", job)
+            started = time.time()
+            folder = suite.job_folder(job)
+            job_sets = (sets + matched_sets(suite, job, sets)
+                        + (list(suite.method_overrides.get(profile, [])) if folder == suite.method else [])
+                        + suite.variants.get(job, [])
+                        + ([REFERENCE_SET] if diagnostics and folder == suite.method else []))
+            simulate(os.path.join(REPO, "jobs", folder), split_dir, ws, job_sets, log=log)
+            row = _evaluate_row(name, suite, job, seed, ws, source, time.time() - started)
+            row["bench_args"] = bench_args
+            rows.append(row)
+            log(f"{name} seed {seed} {job}: " + ", ".join(f"{k}={row.get(k, float('nan')):.4f}"
+                                                          for k in suite.metrics))
+        if overlay_images and is_segmentation(name):
+            try:
+                log(f"overlays: {write_overlays(name, out_dir, seed, source, n_images=overlay_images)[0]}")
+            except Exception as e:  # a convenience, like the plots: the numbers are in the CSV
+                log(f"warning: overlays of {name} seed {seed} failed: {e}")
+    return rows
+
+
+def _evaluate_row(name, suite, job, seed, ws, source, seconds) -> dict:
+    from fedpartial.data.npz import load_npz
+    from fedpartial.evaluation import evaluate_split
+    from fedpartial.training.common import select_device
+
+    device = select_device("auto")
+    model, meta, data = load_for_eval(ws, load_npz(source), device)
+    test = data.splits["test"]
+    metrics = evaluate_split(model, test, data.task, data.class_names, meta["normalisation"], device)
+    if data.task == "segmentation":
+        from fedpartial.evaluation import predict_split
+        from fedpartial.metrics import segmentation_metrics
+
+        probs = predict_split(model, test, data.task, meta["normalisation"], device)
+        # "dice" / "iou" of the DSB2018 tables: per-image means with an empty-both image scoring 1
+        metrics.update(segmentation_metrics(probs > 0.5, np.asarray(test.labels) > 0))
+    row = {"suite": name, "method": job, "dataset": os.path.basename(source), "scenario": suite.scenario,
+           "split_options": json.dumps(suite.split_options), "seed": seed,
+           "rounds": len(json.load(open(os.path.join(ws, "metrics.json")))["rounds"]),
+           "seconds": round(seconds, 1)}
+    if suite.shifted_test:
+        from fedpartial_tools import synthetic
+
+        shifted = dataclasses.replace(test, images=getattr(synthetic, suite.shifted_test)(np.asarray(test.images)))
+        for k, v in evaluate_split(model, shifted, data.task, data.class_names, meta["normalisation"],
+                                   device).items():
+            metrics[f"{k}_shift"] = v
+    if any(k.endswith("_best") for k in suite.metrics) and os.path.isfile(os.path.join(ws, "best_global_model.pt")):
+        from fedpartial.models.io import load_model_file
+
+        best, _ = load_model_file(os.path.join(ws, "best_global_model.pt"), device=device)
+        for k, v in evaluate_split(best, test, data.task, data.class_names, meta["normalisation"], device).items():
+            metrics[f"{k}_best"] = v
+    for k in suite.metrics:
+        row[k] = float(metrics.get(k, float("nan")))
+    per_class = metrics.get("per_class") or {}
+    row["per_class_auc"] = json.dumps({c: v.get("auc") for c, v in per_class.items()})
+    row["curve"] = json.dumps(_curve(os.path.join(ws, "metrics.json"), suite.metrics[0]))
+    return row
+
+
+def split_source(out_dir: str, name: str, seed: int, data_dir: str) -> str:
+    """The data file a seed's split was made from (the suite's CPU file when it does not say)."""
+    summary = os.path.join(out_dir, name, f"seed{seed}", "sites", "split_summary.json")
+    made_from = json.load(open(summary)).get("source") if os.path.isfile(summary) else None
+    if made_from and os.path.isfile(made_from):
+        return made_from
+    return suite_source(SUITES[name], "cpu", data_dir, out_dir)
+
+
+def leave_patient_out(source: str, patient: int, out: str) -> str:
+    """Write ``out``: the slices of ``patient`` (``train_patient_ids``) as the test split, every
+    other patient's slices as the train split without patient ids, so that ``split`` shares them
+    out among the sites slice by slice (whole patients would fill one site).
+
+    Args:
+        source: a segmentation ``.npz`` with ``train_patient_ids`` (e.g. ms_flair_2patients.npz).
+        patient: the held-out patient id.
+        out: the file to write.
+    """
+    from fedpartial.data.npz import load_npz, save_npz
+    from fedpartial.data.types import DataError, Dataset, Split
+
+    data = load_npz(source)
+    train = data.splits["train"]
+    if train.groups is None:
+        raise DataError(f"'{source}': no train_patient_ids, so no patient can be held out")
+    held = np.asarray(train.groups) == patient
+    if not held.any() or held.all():
+        raise DataError(f"'{source}': patient {patient} is not one of several patients "
+                        f"{sorted(set(np.asarray(train.groups).tolist()))}")
+    rest, test = train.subset(np.flatnonzero(~held)), train.subset(np.flatnonzero(held))
+    rest = Split(rest.images, rest.labels, rest.label_mask, rest.ids, None)
+    test = Split(test.images, test.labels, test.label_mask, test.ids, None)
+    save_npz(Dataset(data.task, data.class_names, {"train": rest, "test": test}, out), out)
+    return out
+
+
+def suite_source(suite: "Suite", profile: str, data_dir: str, out_dir: str) -> str:
+    """The source file a suite runs on: in ``data_dir``, or (a suite with a ``generator``) made
+    once into ``<out_dir>/_data``; a suite with ``holdout_patient`` runs on a leave-one-patient-out
+    copy in ``<out_dir>/_data``."""
+    name = suite.dataset_for(profile)
+    source = os.path.join(data_dir, name)
+    if os.path.isfile(source) and suite.holdout_patient is not None:
+        made = os.path.join(out_dir, "_data", f"{os.path.splitext(name)[0]}_holdout{suite.holdout_patient}.npz")
+        if not os.path.isfile(made):
+            os.makedirs(os.path.dirname(made), exist_ok=True)
+            leave_patient_out(source, suite.holdout_patient, made)
+        return made
+    if os.path.isfile(source):
+        return source
+    if not suite.generator:
+        raise FileNotFoundError(f"suite needs '{source}' (see ../shared/data/README.md)")
+    from fedpartial.data.npz import save_npz
+    from fedpartial_tools import synthetic
+
+    made = os.path.join(out_dir, "_data", name)
+    if not os.path.isfile(made):
+        os.makedirs(os.path.dirname(made), exist_ok=True)
+        save_npz(getattr(synthetic, suite.generator)(seed=0), made)
+    return made
