@@ -1,7 +1,6 @@
 """Readers (real files, NIfTI written with nibabel; DICOM is covered in test_data_readers.py), site
 files and every partition scenario against hand-counted expectations."""
 import json
-import os
 from pathlib import Path
 
 import numpy as np

@@ -12,8 +12,6 @@ process group it started and then every FLARE process naming the module's folder
 """
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 

@@ -12,7 +12,6 @@ import glob
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from nvflare.app_common.app_constant import AppConstants
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult
 from fedpartial.algorithms.fedavg import SupervisedClient
 from fedpartial.flare.aggregators import RuleAggregator
-from fedpartial.flare.common import GLOBAL_STATS, SITE_STATS
+from fedpartial.flare.common import SITE_STATS
 
 REPO = Path(__file__).resolve().parents[1]
 C, D = 3, 4

@@ -11,7 +11,6 @@
 One system per module; the finalizer kills every process it started, even on failure.
 """
 import json
-import os
 from pathlib import Path
 
 import numpy as np

@@ -11,7 +11,7 @@ import torch
 from fedpartial.data.sitefile import SiteFolderWriter, load_site_file, write_site_file
 from fedpartial_tools.synthetic import make_classification, make_segmentation
 from fedpartial.data.transforms import resize_dataset
-from fedpartial.data.types import DataError, Dataset, Split
+from fedpartial.data.types import DataError, Dataset
 from fedpartial.flare.executors import load_site_dataset, resolve_data_file
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from fedpartial.data.types import SEGMENTATION, DataError, Split
-from fedpartial.evaluation import evaluate_split, predict_split
-from fedpartial.training.common import images_to_tensor, predict, predict_uint8, probabilities
+from fedpartial.evaluation import predict_split
+from fedpartial.training.common import images_to_tensor, predict, probabilities
 
 
 def pseudo_label_census(model, site_files, reference_dir: str, normalisation: dict, device, tau: float = 0.95,

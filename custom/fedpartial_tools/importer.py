@@ -124,7 +124,7 @@ def write_imported(data: Dataset, args) -> Dataset:
         # a test set (e.g. the rows marked 'test'): not a site's training data but what `evaluate`
         # reads, so it is written in the source layout, which has no label mask
         write_test_file(data, args.out)
-        print(f"no 'train' rows: wrote a test file in the source layout (for 'python -m fedpartial evaluate')")
+        print("no 'train' rows: wrote a test file in the source layout (for 'python -m fedpartial evaluate')")
     else:
         if data.info.get("kind") != "nifti":
             data.info["annotated_classes"] = [n for c, n in enumerate(data.class_names)

@@ -20,11 +20,11 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from fedpartial.data.types import SEGMENTATION, SINGLE_LABEL, DataError, Dataset, Split
+from fedpartial.data.types import SEGMENTATION, DataError, Dataset, Split
 
 SCENARIOS = ("label-set-mismatch", "missing-classes", "semi-supervised", "incomplete-masks")
 SUMMARY_JSON = "split_summary.json"
