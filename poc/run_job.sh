@@ -2,14 +2,16 @@
 # Package a job of jobs/ (code carried in app/custom), submit it to the running POC system in
 # STATE_DIR, wait for it, download the result and print where the outputs are.
 #
-#   poc/run_job.sh STATE_DIR JOB [--data-root DIR] [--set key=value]... [--timeout SECONDS]
-#                  [--gpus N [--gpu-mem GIB]] [--admin USER]
+#   poc/run_job.sh STATE_DIR JOB [--data-root DIR] [--set key=value]... [--matched-to METHOD_JOB]
+#                  [--timeout SECONDS] [--gpus N [--gpu-mem GIB]] [--admin USER]
 #
 #   JOB          a folder of jobs/ (e.g. jobs/fedavg) or its name (fedavg)
 #   --data-root  folder where every site finds <site>.npz (absolute path on the sites' machine)
 #   --fit-data   set the job's model block (class names, task, channels, image size) from the site
 #                files in --data-root, as 'python -m fedpartial simulate --fit-data' does
 #   --set        job setting overrides, as for 'python -m fedpartial simulate'
+#   --matched-to a baseline run with a method job's model, local recipe and rounds (e.g. fedavg
+#                --matched-to fedlsm), as for 'python -m fedpartial simulate'
 #   --timeout    abort the job after this many seconds (default 1800)
 #   --gpus       resource_spec: GPUs each site must have (default none: CPU-only sites accept the job)
 #   --admin      admin kit to use (default admin@hospital-a.org; lead@hospital-a.org works too)
@@ -34,6 +36,7 @@ while [[ $# -gt 0 ]]; do
     --data-root) DATA_ROOT="$(cd "$2" && pwd)"; PKG_ARGS+=(--data-root "$DATA_ROOT"); shift 2;;
     --fit-data) FIT=1; shift;;
     --set) USER_SETS+=(--set "$2"); shift 2;;
+    --matched-to) PKG_ARGS+=(--matched-to "$2"); shift 2;;
     --timeout) TIMEOUT="$2"; shift 2;;
     --gpus) GPUS="$2"; shift 2;;
     --gpu-mem) GPU_MEM="$2"; shift 2;;

@@ -463,7 +463,8 @@ def test_reports_list_suites_in_suite_order_whatever_the_row_order():
 def test_every_baseline_runs_with_its_methods_model_and_recipe(profile):
     """A row compares rules: in every suite each baseline gets the method's network, image size,
     learning rate, batch size, weight decay and rounds (the bench's matched_sets)."""
-    from fedpartial_tools.bench_suites import SHARED_MODEL_KEYS, SHARED_RULE_KEYS, job_settings, matched_sets
+    from fedpartial_tools.bench_suites import job_settings, matched_sets
+    from fedpartial_tools.jobtools import SHARED_MODEL_KEYS, SHARED_RULE_KEYS
 
     for name, suite in bench_suites.SUITES.items():
         method_task = job_settings(suite.method)["model"]["task"]

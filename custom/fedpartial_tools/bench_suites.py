@@ -6,10 +6,11 @@ its method (same model, local recipe and rounds).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
+
+from fedpartial_tools import jobtools
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -201,25 +202,10 @@ for _patient in (7, 19):
                       "fedia_lesions_paper": ["rule_args.use_correction=true"] + _FEDIA_PAPER_WEIGHTING})
 
 
-# What a baseline takes from its method, so that a row compares rules, not networks or recipes:
-# the whole model block but the classes, and the local recipe keys both rules accept. The
-# augmentation stays each rule's own (FedLSM's weak / strong views and FedIRM's affine view are
-# part of those methods); FedIRM's like-for-like lower bound is its own job with the unlabelled
-# sites never joining (the ``fedirm_labelled_only`` row).
-SHARED_MODEL_KEYS = ("arch", "arch_args", "in_channels", "input_size", "normalisation", "pretrained")
-SHARED_RULE_KEYS = ("lr", "weight_decay", "betas", "batch_size", "local_epochs")
-
-
 def job_settings(folder: str, sets: Sequence[str] = ()) -> dict:
     """The effective ``model`` block, client ``rule_args`` and ``num_rounds`` of ``jobs/<folder>``
     after ``sets``."""
-    from fedpartial_tools.jobtools import _config_paths, apply_overrides
-
-    configs = {side: json.load(open(path)) for side, path in _config_paths(os.path.join(REPO, "jobs", folder)).items()}
-    apply_overrides(configs, list(sets))
-    executor = configs["client"]["executors"][0]["executor"]["args"]
-    return {"model": configs["server"]["model"], "rule_args": executor.get("rule_args", {}),
-            "num_rounds": configs["server"].get("num_rounds")}
+    return jobtools.job_settings(os.path.join(REPO, "jobs", folder), sets)
 
 
 def profile_departures(suite: "Suite", profile: str = "cpu") -> List[str]:
@@ -235,24 +221,14 @@ def profile_departures(suite: "Suite", profile: str = "cpu") -> List[str]:
 
 
 def matched_sets(suite: "Suite", job: str, sets: Sequence[str] = ()) -> List[str]:
-    """``--set`` items giving a baseline ``job`` of ``suite`` its method's model and local recipe
-    (:data:`SHARED_MODEL_KEYS`, :data:`SHARED_RULE_KEYS`), after the common ``sets``; ``[]`` for
-    the method and its variants. ``local_epochs`` is shared only when both are whole epochs."""
+    """``--set`` items giving a baseline ``job`` of ``suite`` its method's model, local recipe and
+    rounds (:func:`fedpartial_tools.jobtools.matched_sets`), after the common ``sets``; ``[]`` for
+    the method and its variants. FedIRM's like-for-like lower bound is its own job with the
+    unlabelled sites never joining (the ``fedirm_labelled_only`` row)."""
     if suite.job_folder(job) == suite.method:
         return []
-    method, base = job_settings(suite.method, sets), job_settings(suite.job_folder(job), sets)
-    out = [f"num_rounds={method['num_rounds']}"] if base["num_rounds"] != method["num_rounds"] else []
-    for key in SHARED_MODEL_KEYS:
-        if key in method["model"] and base["model"].get(key) != method["model"][key]:
-            out.append(f"model.{key}={json.dumps(method['model'][key])}")
-    for key in SHARED_RULE_KEYS:
-        value = method["rule_args"].get(key)
-        if key not in base["rule_args"] or value is None or value == base["rule_args"][key]:
-            continue
-        if key == "local_epochs" and float(value) != int(value):
-            continue  # FedLSM's 1.3 epochs are its iteration budget; the FedAvg rules count whole epochs
-        out.append(f"rule_args.{key}={json.dumps(value)}")
-    return out
+    jobs = os.path.join(REPO, "jobs")
+    return jobtools.matched_sets(os.path.join(jobs, suite.method), os.path.join(jobs, suite.job_folder(job)), sets)
 
 
 # Small sparse lesions: MS-like slices made by fedpartial_tools.synthetic (128 px native,

@@ -17,10 +17,22 @@ def _cmd_split(args):
     split_command(args)
 
 
+def _with_matched(args, fitted):
+    """The job's ``--set`` items: the data's, then the matched method's (``--matched-to``), then the
+    user's, so that a ``--set`` wins."""
+    from fedpartial_tools.jobtools import find_job, matched_sets
+
+    matched = []
+    if args.matched_to:
+        matched = matched_sets(find_job(args.matched_to), find_job(args.job), fitted + list(args.set))
+        print(f"matched to {args.matched_to}: {' '.join(matched) or 'nothing to change'}", file=sys.stderr)
+    return fitted + matched + list(args.set)
+
+
 def _cmd_simulate(args):
     from fedpartial_tools.jobtools import dataset_overrides, simulate
 
-    sets = (dataset_overrides(args.data_root) if args.fit_data else []) + list(args.set)
+    sets = _with_matched(args, dataset_overrides(args.data_root) if args.fit_data else [])
     summary = simulate(args.job, args.data_root, args.workspace, sets, threads=args.threads, timeout=args.timeout)
     if not summary["ok"]:
         # a global model can exist after a failed run (e.g. a site dropped out and min_clients
@@ -36,13 +48,14 @@ def _cmd_package(args):
     from fedpartial_tools.provision import site_list
     from fedpartial_tools.jobtools import check_min_clients, dataset_overrides, package_job
 
-    sets = list(args.set)
+    fitted = []
     if args.fit_data or args.fit_data_from:
         source = args.fit_data_from or args.data_root
         if not source:
             raise ValueError("--fit-data reads the site files in --data-root; give --data-root (or --fit-data-from "
                              "DIR when the sites' folder is not on this machine)")
-        sets = dataset_overrides(source) + sets  # a --set wins
+        fitted = dataset_overrides(source)
+    sets = _with_matched(args, fitted)
     out = package_job(args.job, args.out, sets, data_root=args.data_root, name=args.name,
                       with_code=not args.installed_runtime)
     if args.sites:
@@ -192,6 +205,10 @@ def build_parser(developer: bool = False) -> argparse.ArgumentParser:
         sp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a job setting, e.g. num_rounds=3, rule_args.lr=0.001, model.arch=resnet18; "
                              "prefix server./client. for one side")
+        sp.add_argument("--matched-to", default=None, metavar="METHOD_JOB",
+                        help="run this baseline with a method job's model, local recipe (lr, weight decay, betas, "
+                             "batch size, whole local epochs) and rounds, to compare rules like for like: a job "
+                             "folder or a name of jobs/ (e.g. fedlsm); a --set still wins")
 
     s = sub.add_parser("simulate", help="run a job in the FLARE simulator, one site per site file")
     s.add_argument("job", help="job folder, e.g. jobs/fedavg")

@@ -99,6 +99,66 @@ def apply_overrides(configs: Dict[str, dict], overrides: Sequence[str]) -> None:
 RUNTIME_CHECKED = ("fedpartial.flare.executors.FedPartialExecutor", "fedpartial.flare.persistor.FedPartialPersistor")
 
 
+# What a baseline takes from the method it is compared with, so that a comparison is of rules,
+# not of networks or recipes: the whole model block but the classes, and the local recipe keys both
+# rules accept. Augmentation stays each rule's own (FedLSM's weak / strong views and FedIRM's affine
+# view are part of those methods).
+SHARED_MODEL_KEYS = ("arch", "arch_args", "in_channels", "input_size", "normalisation", "pretrained")
+SHARED_RULE_KEYS = ("lr", "weight_decay", "betas", "batch_size", "local_epochs")
+JOBS_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "jobs"))
+
+
+def find_job(job: str) -> str:
+    """A job folder given as a path, or as a name of the repository's ``jobs/`` (``fedlsm``)."""
+    if os.path.isdir(job):
+        return job
+    named = os.path.join(JOBS_DIR, job)
+    if os.path.sep not in job and os.path.isdir(named):
+        return named
+    raise FileNotFoundError(f"job '{job}' is neither a folder nor a job of {JOBS_DIR}")
+
+
+def job_settings(job_dir: str, overrides: Sequence[str] = ()) -> dict:
+    """The effective ``model`` block, client ``rule_args`` and ``num_rounds`` of a job folder.
+
+    Args:
+        job_dir: the job folder.
+        overrides: ``--set`` items applied first.
+    """
+    configs = {side: json.load(open(path)) for side, path in _config_paths(job_dir).items()}
+    apply_overrides(configs, list(overrides))
+    executor = configs["client"]["executors"][0]["executor"]["args"]
+    return {"model": configs["server"]["model"], "rule_args": executor.get("rule_args", {}),
+            "num_rounds": configs["server"].get("num_rounds")}
+
+
+def matched_sets(method_dir: str, baseline_dir: str, overrides: Sequence[str] = ()) -> List[str]:
+    """``--set`` items that give a baseline job its method's model (:data:`SHARED_MODEL_KEYS`),
+    local recipe (:data:`SHARED_RULE_KEYS`) and number of rounds.
+
+    ``local_epochs`` is matched only when the method's is a whole number: FedLSM's 1.3 epochs are
+    its iteration budget, and the FedAvg rules count whole epochs.
+
+    Args:
+        method_dir: the method's job folder (e.g. ``jobs/fedlsm``).
+        baseline_dir: the baseline's job folder (e.g. ``jobs/fedavg``).
+        overrides: ``--set`` items applied to both first (a profile, the data's size).
+    """
+    method, base = job_settings(method_dir, overrides), job_settings(baseline_dir, overrides)
+    out = [f"num_rounds={method['num_rounds']}"] if base["num_rounds"] != method["num_rounds"] else []
+    for key in SHARED_MODEL_KEYS:
+        if key in method["model"] and base["model"].get(key) != method["model"][key]:
+            out.append(f"model.{key}={json.dumps(method['model'][key])}")
+    for key in SHARED_RULE_KEYS:
+        value = method["rule_args"].get(key)
+        if key not in base["rule_args"] or value is None or value == base["rule_args"][key]:
+            continue
+        if key == "local_epochs" and float(value) != int(value):
+            continue
+        out.append(f"rule_args.{key}={json.dumps(value)}")
+    return out
+
+
 def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_root: Optional[str] = None,
                 with_code: bool = True, name: Optional[str] = None, runtime_version: Optional[str] = None) -> str:
     """Copy ``job_dir`` to ``out_dir`` with overrides applied, the runtime version it needs written
