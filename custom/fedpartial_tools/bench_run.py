@@ -14,7 +14,7 @@ from typing import List, Optional
 import numpy as np
 
 from fedpartial_tools.bench_report import load_for_eval, write_overlays
-from fedpartial_tools.bench_suites import DEFAULT_DATA, REPO, SUITES, Suite, is_segmentation, matched_sets
+from fedpartial_tools.bench_suites import DEFAULT_DATA, SUITES, Suite, is_segmentation, matched_sets
 
 
 def _curve(metrics_file: str, key: str) -> List[float]:
@@ -62,7 +62,7 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
             each seed (0 = no overlays).
     """
     from fedpartial_tools.partition import split_file
-    from fedpartial_tools.jobtools import dataset_overrides, simulate
+    from fedpartial_tools.jobtools import JOBS_DIR, dataset_overrides, simulate
 
     suite = SUITES[name]
     source = suite_source(suite, profile, data_dir, out_dir)
@@ -101,7 +101,7 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
                         + (list(suite.method_overrides.get(profile, [])) if folder == suite.method else [])
                         + suite.variants.get(job, [])
                         + ([REFERENCE_SET] if diagnostics and folder == suite.method else []))
-            simulate(os.path.join(REPO, "jobs", folder), split_dir, ws, job_sets, log=log)
+            simulate(os.path.join(JOBS_DIR, folder), split_dir, ws, job_sets, log=log)
             row = _evaluate_row(name, suite, job, seed, ws, source, time.time() - started)
             row["bench_args"] = bench_args
             rows.append(row)

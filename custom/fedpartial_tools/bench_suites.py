@@ -205,7 +205,7 @@ for _patient in (7, 19):
 def job_settings(folder: str, sets: Sequence[str] = ()) -> dict:
     """The effective ``model`` block, client ``rule_args`` and ``num_rounds`` of ``jobs/<folder>``
     after ``sets``."""
-    return jobtools.job_settings(os.path.join(REPO, "jobs", folder), sets)
+    return jobtools.job_settings(os.path.join(jobtools.JOBS_DIR, folder), sets)
 
 
 def profile_departures(suite: "Suite", profile: str = "cpu") -> List[str]:
@@ -227,8 +227,8 @@ def matched_sets(suite: "Suite", job: str, sets: Sequence[str] = ()) -> List[str
     unlabelled sites never joining (the ``fedirm_labelled_only`` row)."""
     if suite.job_folder(job) == suite.method:
         return []
-    jobs = os.path.join(REPO, "jobs")
-    return jobtools.matched_sets(os.path.join(jobs, suite.method), os.path.join(jobs, suite.job_folder(job)), sets)
+    return jobtools.matched_sets(os.path.join(jobtools.JOBS_DIR, suite.method),
+                                 os.path.join(jobtools.JOBS_DIR, suite.job_folder(job)), sets)
 
 
 # Small sparse lesions: MS-like slices made by fedpartial_tools.synthetic (128 px native,

@@ -16,9 +16,9 @@ import shutil
 import tempfile
 from typing import Dict, List, Optional
 
+from fedpartial_tools.jobtools import JOBS_DIR
+
 SPEC_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "job_variants.json")
-REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-JOBS_DIR = os.path.join(REPO, "jobs")
 
 
 def load_spec(path: str = SPEC_FILE) -> Dict[str, dict]:
