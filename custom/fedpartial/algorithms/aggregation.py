@@ -12,6 +12,15 @@ from fedpartial.algorithms.base import ServerContext, SiteUpdate
 from fedpartial.algorithms.robust import robust_weights, trim_count
 
 
+def _with_samples(updates: List[SiteUpdate], action: str) -> List[SiteUpdate]:
+    """The updates with a positive ``num_samples``; an error naming the sites when there is none."""
+    used = [u for u in updates if u.num_samples > 0]
+    if not used:
+        raise ValueError(f"no site update with a positive sample count to {action} "
+                         f"(sites: {', '.join(u.site for u in updates) or 'none'})")
+    return used
+
+
 def fedavg_weights(updates: List[SiteUpdate]) -> Dict[str, np.ndarray]:
     """Average ``updates``' weights, each weighted by its ``num_samples``; sites with 0 samples
     are skipped. Integer buffers (e.g. BatchNorm's ``num_batches_tracked``) keep their dtype.
@@ -22,10 +31,7 @@ def fedavg_weights(updates: List[SiteUpdate]) -> Dict[str, np.ndarray]:
     Raises:
         ValueError: when no update has a positive ``num_samples``.
     """
-    used = [u for u in updates if u.num_samples > 0]
-    if not used:
-        raise ValueError("no site update with a positive sample count to average "
-                         f"(sites: {', '.join(u.site for u in updates) or 'none'})")
+    used = _with_samples(updates, "average")
     total = float(sum(u.num_samples for u in used))
     out = {}
     for key, first in used[0].weights.items():
@@ -52,10 +58,7 @@ def average_weights(updates: List[SiteUpdate], ctx: ServerContext) -> Dict[str, 
     """
     if ctx.weight_rule == "mean":
         return fedavg_weights(updates)
-    used = [u for u in updates if u.num_samples > 0]
-    if not used:
-        raise ValueError("no site update with a positive sample count to combine "
-                         f"(sites: {', '.join(u.site for u in updates) or 'none'})")
+    used = _with_samples(updates, "combine")
     report = {"rule": ctx.weight_rule, "sites": [u.site for u in used]}
     if ctx.weight_rule == "trimmed_mean":
         report.update(trim_fraction=ctx.trim_fraction, trimmed_per_end=trim_count(len(used), ctx.trim_fraction))
