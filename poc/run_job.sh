@@ -2,10 +2,12 @@
 # Package a job of jobs/ (code carried in app/custom), submit it to the running POC system in
 # STATE_DIR, wait for it, download the result and print where the outputs are.
 #
-#   poc/run_job.sh STATE_DIR JOB [--data-root DIR] [--set key=value]... [--matched-to METHOD_JOB]
-#                  [--timeout SECONDS] [--gpus N [--gpu-mem GIB]] [--admin USER]
+#   poc/run_job.sh STATE_DIR JOB [--profile NAME] [--data-root DIR] [--set key=value]...
+#                  [--matched-to METHOD_JOB] [--timeout SECONDS] [--gpus N [--gpu-mem GIB]] [--admin USER]
 #
 #   JOB          a folder of jobs/ (e.g. jobs/fedavg) or its name (fedavg)
+#   --profile    a named profile of the job's recipe (e.g. fedmlp --profile ctich, fedia --profile
+#                lesions; python -m fedpartial_tools jobs --list); the job is named JOB_NAME
 #   --data-root  folder where every site finds <site>.npz (absolute path on the sites' machine)
 #   --fit-data   set the job's model block (class names, task, channels, image size) from the site
 #                files in --data-root, as 'python -m fedpartial simulate --fit-data' does
@@ -33,6 +35,7 @@ NAME="$(basename "$JOB")"
 TIMEOUT=1800; GPUS=0; GPU_MEM=0; PKG_ARGS=(); FIT=0; DATA_ROOT=""; USER_SETS=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
+    --profile) PKG_ARGS+=(--profile "$2"); NAME="${NAME}_$2"; shift 2;;
     --data-root) DATA_ROOT="$(cd "$2" && pwd)"; PKG_ARGS+=(--data-root "$DATA_ROOT"); shift 2;;
     --fit-data) FIT=1; shift;;
     --set) USER_SETS+=(--set "$2"); shift 2;;
@@ -56,7 +59,7 @@ SITES="$(ls -d "$PROD"/*/startup/fed_client.json 2>/dev/null | awk -F/ '{print $
 NSITES="$(echo "$SITES" | tr ',' '\n' | grep -c .)"
 
 # min_clients = number of sites (results of late sites would be dropped otherwise); a --set wins
-"$PYTHON" -m fedpartial package-job "$JOB" --out "$STATE/jobs/$NAME" --set "server.min_clients=$NSITES" \
+"$PYTHON" -m fedpartial package-job "$JOB" --out "$STATE/jobs/$NAME" --name "$NAME" --set "server.min_clients=$NSITES" \
   "${PKG_ARGS[@]}" >/dev/null
 "$PYTHON" -m fedpartial_tools.deploy resource-spec "$STATE/jobs/$NAME" --gpus "$GPUS" --gpu-mem "$GPU_MEM" \
   --site-names "$SITES" >/dev/null

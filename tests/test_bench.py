@@ -12,6 +12,7 @@ import pytest
 
 from fedpartial_tools import bench, bench_report, bench_run, bench_suites
 from fedpartial_tools.cli import build_parser
+from fedpartial_tools.jobtools import find_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -428,7 +429,7 @@ def test_every_profile_builds_a_model_that_runs_on_its_data(name):
         size = list(images.shape[1:3])
         channels = 1 if images.ndim == 3 else images.shape[-1]
         for job in suite.jobs:
-            folder = REPO / "jobs" / suite.job_folder(job)
+            folder = find_job(suite.job_folder(job))
             configs = {side: json.load(open(path)) for side, path in _config_paths(str(folder)).items()}
             apply_overrides(configs, [f"model.input_size={json.dumps(size)}", f"model.in_channels={channels}",
                                       *([] if "dice" in suite.metrics else [f"model.class_names={json.dumps(names)}"]),

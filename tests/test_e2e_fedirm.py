@@ -44,10 +44,10 @@ def _write_split(out: Path, task: str, num_classes: int, channels: int) -> list:
 
 @pytest.mark.parametrize("job, task, num_classes, channels", [
     ("fedirm", SINGLE_LABEL, 4, 3),
-    ("fedirm_multilabel", MULTI_LABEL, 5, 1),
+    ("fedirm:multilabel", MULTI_LABEL, 5, 1),
 ])
 def test_fedirm_job_runs_and_relation_matrix_reaches_unlabelled_site(tmp_path, job, task, num_classes, channels):
-    from fedpartial_tools.jobtools import simulate
+    from fedpartial_tools.jobtools import find_job, simulate
     from fedpartial.models.io import load_model_file
 
     data_root = tmp_path / "sites"
@@ -58,9 +58,9 @@ def test_fedirm_job_runs_and_relation_matrix_reaches_unlabelled_site(tmp_path, j
                  "rule_args.mc_passes=2", "rule_args.augmentation=flip", "rule_args.ramp_rounds=2",
                  "rule_args.unlabelled_start_round=0",
                  "device=cpu"]
-    if job == "fedirm_multilabel":  # the executor's other memory layout, end to end
+    if job == "fedirm:multilabel":  # the executor's other memory layout, end to end
         overrides.append("memory_format=channels_last")
-    summary = simulate(str(REPO / "jobs" / job), str(data_root), str(tmp_path / "ws"), overrides, timeout=240,
+    summary = simulate(find_job(job), str(data_root), str(tmp_path / "ws"), overrides, timeout=240,
                        log=lambda m: None)
     ws = Path(summary["workspace"])
     assert (ws / "global_model.pt").is_file()

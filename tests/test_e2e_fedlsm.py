@@ -50,10 +50,10 @@ def _write_split(out: Path, task: str, channels: int):
 
 @pytest.mark.parametrize("job, task, channels", [
     ("fedlsm", SINGLE_LABEL, 3),
-    ("fedlsm_multilabel", MULTI_LABEL, 1),
+    ("fedlsm:multilabel", MULTI_LABEL, 1),
 ])
 def test_fedlsm_job_runs_and_counts_reach_the_server(tmp_path, job, task, channels):
-    from fedpartial_tools.jobtools import simulate
+    from fedpartial_tools.jobtools import find_job, simulate
     from fedpartial.models.io import load_model_file
 
     data_root = tmp_path / "sites"
@@ -66,7 +66,7 @@ def test_fedlsm_job_runs_and_counts_reach_the_server(tmp_path, job, task, channe
                  "device=cpu",
                  # every count must arrive; withholding rare-class rows is tested in test_filters
                  "min_count=0"]
-    summary = simulate(str(REPO / "jobs" / job), str(data_root), str(tmp_path / "ws"), overrides, timeout=240,
+    summary = simulate(find_job(job), str(data_root), str(tmp_path / "ws"), overrides, timeout=240,
                        log=lambda m: None)
     ws = Path(summary["workspace"])
     assert (ws / "global_model.pt").is_file()

@@ -298,13 +298,21 @@ def test_every_job_whose_sites_send_statistics_ships_the_min_count_rule():
     import json
     from pathlib import Path
 
+    from fedpartial_tools.jobtools import _rule_of, find_job
+    from fedpartial_tools.recipes import RECIPES
+
     jobs = Path(__file__).resolve().parents[1] / "jobs"
+    # the shipped folders and every other profile of the recipes (FedIRM's multi-label one sends vectors)
+    client_files = sorted(jobs.glob("*/app/config/config_fed_client.json")) + [
+        Path(find_job(name, profile)) / "app/config/config_fed_client.json"
+        for name, cls in RECIPES.items() for profile in cls.PROFILES if profile != "cpu"]
     checked = []
-    for client_file in sorted(jobs.glob("*/app/config/config_fed_client.json")):
+    for client_file in client_files:
         job = client_file.parts[-4]
         client = json.loads(client_file.read_text())
         task = json.loads(client_file.with_name("config_fed_server.json").read_text())["model"]["task"]
-        rule = client["executors"][0]["executor"]["args"]["rule"].rsplit(".", 1)[1]
+        executor = client["executors"][0]["executor"]
+        rule = _rule_of(executor["path"], executor["args"]).rsplit(".", 1)[1]
         filters = [f for chain in client["task_result_filters"] if "train" in chain["tasks"] for f in chain["filters"]
                    if f["path"].endswith("StatisticsPrivacyFilter")]
         if rule not in STAT_PRESETS:
@@ -319,7 +327,7 @@ def test_every_job_whose_sites_send_statistics_ships_the_min_count_rule():
         if rule == "FedMLPClient":
             out = from_shareable(StatisticsPrivacyFilter(**args).process(_message(_fedmlp_stats()), _ctx()))
             np.testing.assert_array_equal(out.get_meta_prop(SITE_STATS)["prototype_counts_pos"], [0, 0, 7])
-    assert {"fedlsm", "fedmlp", "fedirm", "fedia"} <= set(checked)
+    assert {"fedlsm", "fedmlp", "fedirm", "fedia", "fedirm_multilabel"} <= set(checked)
 
 
 def test_presets_are_the_methods_own_declarations_and_consistent():

@@ -62,7 +62,7 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
             each seed (0 = no overlays).
     """
     from fedpartial_tools.partition import split_file
-    from fedpartial_tools.jobtools import JOBS_DIR, dataset_overrides, simulate
+    from fedpartial_tools.jobtools import dataset_overrides, find_job, simulate
 
     suite = SUITES[name]
     source = suite_source(suite, profile, data_dir, out_dir)
@@ -97,11 +97,12 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
             ws = os.path.join(out_dir, name, f"seed{seed}", job)
             started = time.time()
             folder = suite.job_folder(job)
+            is_method = folder == suite.job_folder(suite.method)
             job_sets = (sets + matched_sets(suite, job, sets)
-                        + (list(suite.method_overrides.get(profile, [])) if folder == suite.method else [])
+                        + (list(suite.method_overrides.get(profile, [])) if is_method else [])
                         + suite.variants.get(job, [])
-                        + ([REFERENCE_SET] if diagnostics and folder == suite.method else []))
-            simulate(os.path.join(JOBS_DIR, folder), split_dir, ws, job_sets, log=log)
+                        + ([REFERENCE_SET] if diagnostics and is_method else []))
+            simulate(find_job(folder), split_dir, ws, job_sets, log=log)
             row = _evaluate_row(name, suite, job, seed, ws, source, time.time() - started)
             row["bench_args"] = bench_args
             rows.append(row)

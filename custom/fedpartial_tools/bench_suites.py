@@ -61,8 +61,16 @@ class Suite:
         return [self.lower, *self.others, self.upper, self.method, *self.variants]
 
     def job_folder(self, job: str) -> str:
-        """The folder under ``jobs/`` that runs ``job`` (a variant runs the method's)."""
-        return self.method if job in self.variants else job
+        """The job that runs row ``job``: a name of ``jobs/`` or ``RECIPE:PROFILE`` (a variant runs
+        the method's)."""
+        job = self.method if job in self.variants else job
+        return PROFILE_ROWS.get(job, job)
+
+
+# Rows that run a recipe's other profile than the shipped one (results.csv and the docs name them so).
+PROFILE_ROWS = {"fedlsm_multilabel": "fedlsm:multilabel", "fedmlp_ctich": "fedmlp:ctich",
+                "fedirm_multilabel": "fedirm:multilabel", "fedia_lesions": "fedia:lesions",
+                "fedavg_seg_lesions": "fedavg_seg:lesions", "fedavg_seg_full_lesions": "fedavg_seg_full:lesions"}
 
 
 _CPU_CLS = ["model.arch=small_cnn", "rule_args.lr=0.001"]
@@ -223,10 +231,10 @@ for _patient in (7, 19):
                       "fedia_lesions_paper": ["rule_args.use_correction=true"] + _FEDIA_PAPER_WEIGHTING})
 
 
-def job_settings(folder: str, sets: Sequence[str] = ()) -> dict:
-    """The effective ``model`` block, client ``rule_args`` and ``num_rounds`` of ``jobs/<folder>``
-    after ``sets``."""
-    return jobtools.job_settings(os.path.join(jobtools.JOBS_DIR, folder), sets)
+def job_settings(job: str, sets: Sequence[str] = ()) -> dict:
+    """The effective ``model`` block, client ``rule_args`` and ``num_rounds`` of a job (a name of
+    ``jobs/``, ``RECIPE:PROFILE`` or a row of :data:`PROFILE_ROWS`) after ``sets``."""
+    return jobtools.job_settings(jobtools.find_job(PROFILE_ROWS.get(job, job)), sets)
 
 
 def profile_departures(suite: "Suite", profile: str = "cpu") -> List[str]:
@@ -246,10 +254,10 @@ def matched_sets(suite: "Suite", job: str, sets: Sequence[str] = ()) -> List[str
     rounds (:func:`fedpartial_tools.jobtools.matched_sets`), after the common ``sets``; ``[]`` for
     the method and its variants. FedIRM's like-for-like lower bound is its own job with the
     unlabelled sites never joining (the ``fedirm_labelled_only`` row)."""
-    if suite.job_folder(job) == suite.method:
+    if suite.job_folder(job) == suite.job_folder(suite.method):
         return []
-    return jobtools.matched_sets(os.path.join(jobtools.JOBS_DIR, suite.method),
-                                 os.path.join(jobtools.JOBS_DIR, suite.job_folder(job)), sets)
+    return jobtools.matched_sets(jobtools.find_job(suite.job_folder(suite.method)),
+                                 jobtools.find_job(suite.job_folder(job)), sets)
 
 
 # Small sparse lesions: MS-like slices made by fedpartial_tools.synthetic (128 px native,

@@ -24,16 +24,16 @@ def _with_matched(args, fitted):
 
     matched = []
     if args.matched_to:
-        matched = matched_sets(find_job(args.matched_to), find_job(args.job), fitted + list(args.set))
+        matched = matched_sets(find_job(args.matched_to), find_job(args.job, args.profile), fitted + list(args.set))
         print(f"matched to {args.matched_to}: {' '.join(matched) or 'nothing to change'}", file=sys.stderr)
     return fitted + matched + list(args.set)
 
 
 def _cmd_simulate(args):
-    from fedpartial_tools.jobtools import dataset_overrides, simulate
+    from fedpartial_tools.jobtools import dataset_overrides, find_job, simulate
 
     sets = _with_matched(args, dataset_overrides(args.data_root) if args.fit_data else [])
-    summary = simulate(args.job, args.data_root, args.workspace, sets, threads=args.threads, timeout=args.timeout)
+    summary = simulate(find_job(args.job, args.profile), args.data_root, args.workspace, sets, threads=args.threads, timeout=args.timeout)
     if not summary["ok"]:
         # a global model can exist after a failed run (e.g. a site dropped out and min_clients
         # stopped the job after round 1): never report such a run as a success
@@ -46,7 +46,7 @@ def _cmd_simulate(args):
 
 def _cmd_package(args):
     from fedpartial_tools.provision import site_list
-    from fedpartial_tools.jobtools import check_min_clients, dataset_overrides, package_job
+    from fedpartial_tools.jobtools import check_min_clients, dataset_overrides, find_job, package_job
 
     fitted = []
     if args.fit_data or args.fit_data_from:
@@ -56,7 +56,7 @@ def _cmd_package(args):
                              "DIR when the sites' folder is not on this machine)")
         fitted = dataset_overrides(source)
     sets = _with_matched(args, fitted)
-    out = package_job(args.job, args.out, sets, data_root=args.data_root, name=args.name,
+    out = package_job(find_job(args.job, args.profile), args.out, sets, data_root=args.data_root, name=args.name,
                       with_code=not args.installed_runtime)
     if args.sites:
         try:
@@ -208,10 +208,14 @@ def build_parser(developer: bool = False) -> argparse.ArgumentParser:
         sp.add_argument("--matched-to", default=None, metavar="METHOD_JOB",
                         help="run this baseline with a method job's model, local recipe (lr, weight decay, betas, "
                              "batch size, whole local epochs) and rounds, to compare rules like for like: a job "
-                             "folder or a name of jobs/ (e.g. fedlsm); a --set still wins")
+                             "folder or a name of jobs/ (e.g. fedlsm, or fedmlp:ctich for a profile); a --set "
+                             "still wins")
+        sp.add_argument("--profile", default=None,
+                        help="a named profile of the job's recipe instead of the shipped (cpu) one, e.g. paper, "
+                             "lesions, ctich (python -m fedpartial_tools jobs --list)")
 
     s = sub.add_parser("simulate", help="run a job in the FLARE simulator, one site per site file")
-    s.add_argument("job", help="job folder, e.g. jobs/fedavg")
+    s.add_argument("job", help="job folder, e.g. jobs/fedavg, or a name of jobs/ (fedavg)")
     s.add_argument("--data-root", required=True, help="folder of site files (site-1.npz ...)")
     s.add_argument("--workspace", required=True, help="output folder")
     s.add_argument("--threads", type=int, default=0, help="client threads (0 = one per site)")
@@ -282,7 +286,7 @@ def build_parser(developer: bool = False) -> argparse.ArgumentParser:
     add_import_parser(sub)
     if developer:
         from fedpartial_tools.bench import add_bench_parser
-        from fedpartial_tools.jobspec import add_jobs_parser
+        from fedpartial_tools.recipes import add_jobs_parser
         from fedpartial_tools.throughput import add_throughput_parser
 
         add_bench_parser(sub)

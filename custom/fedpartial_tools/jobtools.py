@@ -3,7 +3,12 @@ package carried in ``app/custom`` (bring-your-own-code, so POC and provisioned s
 and the FLARE simulator run behind ``python -m fedpartial simulate``."""
 from __future__ import annotations
 
+import atexit
+import copy
+import functools
 import glob
+import importlib
+import inspect
 import json
 import os
 import shutil
@@ -37,17 +42,17 @@ def _config_paths(job_dir: str) -> Dict[str, str]:
     return paths
 
 
-def _arg_dicts(config: dict) -> List[dict]:
-    """The top level plus every component / workflow / executor / filter ``args`` dict."""
-    out = [config]
+def _components(config: dict) -> List[tuple]:
+    """``(class path, args)`` of every component, workflow, executor and filter of a config."""
+    out = []
     for key in ("components", "workflows", "task_result_filters", "task_data_filters"):
         for item in config.get(key, []):
-            if "args" in item:
-                out.append(item["args"])
+            if "path" in item:
+                out.append((item["path"], item.setdefault("args", {})))
             for f in item.get("filters", []):
-                out.append(f.setdefault("args", {}))
+                out.append((f["path"], f.setdefault("args", {})))
     for item in config.get("executors", []):
-        out.append(item["executor"].setdefault("args", {}))
+        out.append((item["executor"]["path"], item["executor"].setdefault("args", {})))
     return out
 
 
@@ -63,13 +68,52 @@ def _set_path(target: dict, path: List[str], value, create: bool) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def _constructor_defaults(class_path: str) -> tuple:
+    module, name = class_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    params = inspect.signature(cls.__init__).parameters.values()
+    return tuple((p.name, None if p.default is p.empty else p.default) for p in params
+                 if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+
+def constructor_defaults(class_path: str) -> dict:
+    """The constructor arguments of ``class_path`` and their defaults (``None`` where there is none).
+
+    Args:
+        class_path: e.g. ``fedpartial.algorithms.fedlsm.FedLSMClient``.
+    """
+    return {name: copy.deepcopy(default) for name, default in _constructor_defaults(class_path)}
+
+
+def _rule_of(class_path: str, args: dict) -> Optional[str]:
+    """The rule a fedpartial executor / aggregator runs (its ``rule`` argument or default)."""
+    if "rule" in args:
+        return args["rule"]
+    if class_path.startswith("fedpartial."):
+        return constructor_defaults(class_path).get("rule")
+    return None
+
+
+def _accepts(class_path: str, args: dict, path: List[str]) -> bool:
+    """Whether the component takes the setting ``path`` (an argument, or ``rule_args.<key>`` of its rule)."""
+    try:
+        if len(path) == 1:
+            return path[0] in constructor_defaults(class_path)
+        rule = _rule_of(class_path, args)
+        return len(path) == 2 and path[0] == "rule_args" and rule is not None and path[1] in constructor_defaults(rule)
+    except (ImportError, AttributeError, ValueError):
+        return False
+
+
 def apply_overrides(configs: Dict[str, dict], overrides: Sequence[str]) -> None:
     """Apply ``key=value`` overrides to the loaded server / client configs in place.
 
-    ``a.b.c=v`` sets an existing setting ``a.b.c`` wherever it exists: a top-level variable
-    (``num_rounds``, ``model.arch``) or a component's argument (``rule_args.lr``). Prefix with
-    ``server.`` or ``client.`` to touch one side only; only then may the last key be new.
-    A key that matches nothing is an error (typos never pass silently).
+    ``a.b.c=v`` sets a top-level variable where the config has it (``num_rounds``, ``model.arch``,
+    ``seed``); otherwise the argument of every component that takes it, written in the job or left
+    at the constructor's default (``data_file``, ``rule_args.lr`` for every rule accepting ``lr``).
+    Prefix with ``server.`` or ``client.`` to touch one side only; only then may the last key be a
+    new top-level variable. A key that nothing takes is an error (typos never pass silently).
     """
     for item in overrides:
         if "=" not in item:
@@ -83,16 +127,24 @@ def apply_overrides(configs: Dict[str, dict], overrides: Sequence[str]) -> None:
             sides, path, create = [path[0]], path[1:], True
         hit = False
         for side in sides:
-            for args in _arg_dicts(configs[side]):
-                if args is not configs[side] and len(path) == 1 and args.get(path[0]) == "{" + path[0] + "}" \
-                        and path[0] in configs[side]:
-                    continue  # "num_rounds": "{num_rounds}" follows the top-level variable this item sets
+            config = configs[side]
+            if path[0] in config and path[0] not in _LISTS:
+                hit = _set_path(config, path, value, create=False) or hit
+                continue
+            for class_path, args in _components(config):
                 if _set_path(args, path, value, create=False):
                     hit = True
-            if not hit and create:
-                hit = _set_path(configs[side], path, value, create=True)
+                elif _accepts(class_path, args, path):
+                    if len(path) == 2:
+                        args.setdefault(path[0], {})
+                    hit = _set_path(args, path, value, create=True) or hit
+        if not hit and create:
+            hit = _set_path(configs[sides[0]], path, value, create=True)
         if not hit:
-            raise ValueError(f"--set '{key}': no such setting in the job's configs")
+            raise ValueError(f"--set '{key}': no such setting in the job's configs (nor an argument of its components)")
+
+
+_LISTS = ("components", "workflows", "executors", "task_result_filters", "task_data_filters")
 
 
 # Components that refuse a job naming another runtime version than the installed fedpartial.
@@ -104,22 +156,50 @@ RUNTIME_CHECKED = ("fedpartial.flare.executors.FedPartialExecutor", "fedpartial.
 # rules accept. Augmentation stays each rule's own (FedLSM's weak / strong views and FedIRM's affine
 # view are part of those methods).
 SHARED_MODEL_KEYS = ("arch", "arch_args", "in_channels", "input_size", "normalisation", "pretrained")
-SHARED_RULE_KEYS = ("lr", "weight_decay", "betas", "batch_size", "local_epochs")
+SHARED_RULE_KEYS = ("lr", "weight_decay", "batch_size", "local_epochs")  # Adam's betas stay each paper's
 JOBS_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "jobs"))
 
 
-def find_job(job: str) -> str:
-    """A job folder given as a path, or as a name of the repository's ``jobs/`` (``fedlsm``)."""
-    if os.path.isdir(job):
-        return job
-    named = os.path.join(JOBS_DIR, job)
-    if os.path.sep not in job and os.path.isdir(named):
-        return named
-    raise FileNotFoundError(f"job '{job}' is neither a folder nor a job of {JOBS_DIR}")
+_EXPORTS: List[str] = []
+
+
+def _remove_exports() -> None:
+    for folder in _EXPORTS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def find_job(job: str, profile: Optional[str] = None) -> str:
+    """A job folder: ``job`` as a path, a name of the repository's ``jobs/`` (``fedlsm``), or a
+    recipe with a profile (``fedmlp:ctich``, or ``job="fedmlp", profile="ctich"``), exported from
+    :mod:`fedpartial_tools.recipes` into a temporary folder (removed at exit).
+
+    Args:
+        job: folder, job name or ``RECIPE:PROFILE``.
+        profile: a profile of the recipe ``job`` names (``None``: the folder as it is).
+    """
+    if ":" in job and not os.path.isdir(job):
+        job, profile = job.split(":", 1)
+    if profile in (None, "", "cpu"):
+        if os.path.isdir(job):
+            return job
+        named = os.path.join(JOBS_DIR, job)
+        if os.path.sep not in job and os.path.isdir(named):
+            return named
+        raise FileNotFoundError(f"job '{job}' is neither a folder nor a job of {JOBS_DIR}")
+    from fedpartial_tools.recipes import RECIPES, export_job
+
+    name = os.path.basename(job.rstrip("/"))
+    if name not in RECIPES:
+        raise ValueError(f"profile '{profile}' needs a recipe's job (one of {sorted(RECIPES)}), got '{job}'")
+    if not _EXPORTS:
+        atexit.register(_remove_exports)
+    _EXPORTS.append(tempfile.mkdtemp(prefix="fedpartial-job-"))
+    return export_job(name, os.path.join(_EXPORTS[-1], f"{name}_{profile}"), profile)
 
 
 def job_settings(job_dir: str, overrides: Sequence[str] = ()) -> dict:
-    """The effective ``model`` block, client ``rule_args`` and ``num_rounds`` of a job folder.
+    """The effective ``model`` block, client ``rule_args`` (the rule's constructor defaults where the
+    job leaves them) and ``num_rounds`` of a job folder.
 
     Args:
         job_dir: the job folder.
@@ -127,8 +207,10 @@ def job_settings(job_dir: str, overrides: Sequence[str] = ()) -> dict:
     """
     configs = {side: json.load(open(path)) for side, path in _config_paths(job_dir).items()}
     apply_overrides(configs, list(overrides))
-    executor = configs["client"]["executors"][0]["executor"]["args"]
-    return {"model": configs["server"]["model"], "rule_args": executor.get("rule_args", {}),
+    executor = configs["client"]["executors"][0]["executor"]
+    rule = _rule_of(executor["path"], executor.get("args", {}))
+    rule_args = {**(constructor_defaults(rule) if rule else {}), **executor.get("args", {}).get("rule_args", {})}
+    return {"model": configs["server"]["model"], "rule_args": json.loads(json.dumps(rule_args)),
             "num_rounds": configs["server"].get("num_rounds")}
 
 
@@ -278,16 +360,25 @@ def site_names(data_root: str) -> List[str]:
     return list(site_paths(data_root))
 
 
-def dataset_overrides(data_root: str) -> List[str]:
-    """``--set`` items fitting a job's model block to the site files in ``data_root`` (class
-    names, task, channels, image size), read from the first site file."""
+def dataset_settings(data_root: str) -> dict:
+    """The model keys fitting a job to the site files in ``data_root``: ``class_names``, ``task``,
+    ``in_channels`` and ``input_size``, read from the first site file.
+
+    Args:
+        data_root: folder of site files / site folders.
+    """
     from fedpartial.data.sitefile import load_site_file
 
     data = load_site_file(next(iter(site_paths(data_root).values())))
     images = data.splits["train"].images
     channels = 1 if images.ndim == 3 else int(images.shape[-1])
-    return [f"model.class_names={json.dumps(list(data.class_names))}", f"model.task={data.task}",
-            f"model.in_channels={channels}", f"model.input_size={json.dumps([int(images.shape[1]), int(images.shape[2])])}"]
+    return {"class_names": list(data.class_names), "task": data.task, "in_channels": channels,
+            "input_size": [int(images.shape[1]), int(images.shape[2])]}
+
+
+def dataset_overrides(data_root: str) -> List[str]:
+    """:func:`dataset_settings` as ``--set`` items."""
+    return [f"model.{key}={json.dumps(value)}" for key, value in dataset_settings(data_root).items()]
 
 
 def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[str] = (), threads: int = 0,
