@@ -11,7 +11,8 @@ from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext,
 from fedpartial.algorithms.fedirm import (RELATION_COUNTS, RELATION_MATRIX, RELATION_MULTILABEL, RELATION_VALID,
                                           TEACHER_FILE, FedIRMClient, FedIRMServer, average_relation_matrices,
                                           consistency_loss, mc_dropout_probabilities, ramp_weight, relation_matrix,
-                                          reliable_lowest_entropy, reliable_mask, symmetric_kl)
+                                          reliable_lowest_entropy, reliable_lowest_entropy_per_class, reliable_mask,
+                                          symmetric_kl)
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, Dataset, Split
 from fedpartial.models import build_model
 
@@ -431,3 +432,14 @@ def test_relation_counts_count_distinct_images_not_visits(tmp_path):
     result = rule.train_round(_model(), RoundInput(0, 3, {}))
     assert result.metrics["train_steps"] == 5.0  # 5 epochs x 1 batch: every image visited 5 times
     assert result.stats[RELATION_COUNTS].tolist() == [3.0, 3.0, 2.0]  # not [15, 15, 10]
+
+
+def test_reliable_lowest_entropy_per_class_keeps_a_share_of_each_predicted_class():
+    # 3 predicted as class 0 (entropies 0.1, 0.2, 0.3), 2 as class 1 (0.9, 0.8); 40 % of the batch keeps
+    # the two surest class-0 samples only; 40 % of each class keeps ceil(1.2) = 2 of class 0 and
+    # ceil(0.8) = 1 of class 1, its surer one (0.8)
+    entropy = torch.tensor([0.1, 0.2, 0.3, 0.9, 0.8])
+    predicted = torch.tensor([0, 0, 0, 1, 1])
+    assert reliable_lowest_entropy(entropy, 0.4).tolist() == [True, True, False, False, False]
+    assert reliable_lowest_entropy_per_class(entropy, predicted, 0.4).tolist() == [True, True, False, False, True]
+    assert reliable_lowest_entropy_per_class(entropy, predicted, 1.0).all()

@@ -85,7 +85,8 @@ _FEDMLP_FIDELITY = {"fedmlp_paper_thresholds": ["rule_args.t0=0.005", "rule_args
                                                "rule_args.min_warmup_rounds=3"]}
 # FedIRM's suspects for "the unlabelled sites do not help", one ablation each: the weight of the
 # unlabelled losses (relation matching + pseudo labels), the entropy filter's pass rate, the
-# teacher's drift (EMA decay), and how much the unlabelled sites' updates weigh in aggregation.
+# teacher's drift (EMA decay), how much the unlabelled sites' updates weigh in aggregation, and the
+# class imbalance of the pseudo labels.
 _FEDIRM_SUSPECTS = {"fedirm_unsup_w0.3": ["rule_args.max_unsupervised_weight=0.3"],
                     "fedirm_unsup_w3": ["rule_args.max_unsupervised_weight=3.0"],
                     "fedirm_pass80": ["rule_args.reliable_fraction=0.8"],
@@ -93,7 +94,9 @@ _FEDIRM_SUSPECTS = {"fedirm_unsup_w0.3": ["rule_args.max_unsupervised_weight=0.3
                     "fedirm_ema999": ["rule_args.ema_decay=0.999"],
                     "fedirm_ema9": ["rule_args.ema_decay=0.9"],
                     "fedirm_unlabelled_w1": ["rule_args.unlabelled_weight=1.0"],
-                    "fedirm_unlabelled_w0.05": ["rule_args.unlabelled_weight=0.05"]}
+                    "fedirm_unlabelled_w0.05": ["rule_args.unlabelled_weight=0.05"],
+                    # class imbalance of the pseudo labels: the reliable share taken per predicted class
+                    "fedirm_per_class": ["rule_args.reliable_per_class=true"]}
 SUITES: Dict[str, Suite] = {
     "fedlsm-ham": Suite("ham10000_28.npz", "label-set-mismatch", {"classes_per_site": 3}, 5, "fedlsm", "fedavg",
                         "fedavg_full", ["fedavg_partial_loss"],
