@@ -203,3 +203,22 @@ def test_a_recipe_runs_in_flares_pocenv(tmp_path, monkeypatch):
         env.stop(clean_up=True)
         processes.kill_workspace_processes(str(tmp_path))
     assert not processes.live_workspace_processes(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_package_job_takes_a_profile_and_a_typo_names_the_profiles(tmp_path):
+    import subprocess
+    import sys
+
+    def package(*args):
+        return subprocess.run([sys.executable, "-m", "fedpartial", "package-job", "fedmlp", "--out",
+                               str(tmp_path / "job"), *args], capture_output=True, text=True)
+
+    done = package("--profile", "ctich", "--name", "fedmlp_ctich")
+    assert done.returncode == 0, done.stderr
+    settings = job_settings(str(tmp_path / "job"))
+    assert settings["model"]["class_names"] == recipes.CT_ICH
+    assert json.loads((tmp_path / "job/meta.json").read_text())["min_clients"] == 5
+    assert (tmp_path / "job/app/custom/fedpartial").is_dir()  # the code travels, as for every packaged job
+    typo = package("--profile", "ctih")
+    assert typo.returncode != 0 and "no profile 'ctih'" in typo.stderr and "ctich" in typo.stderr

@@ -47,7 +47,8 @@ from fedpartial.flare.executors import FedPartialExecutor
 from fedpartial.flare.filters import StatisticsPrivacyFilter
 from fedpartial.flare.persistor import FedPartialModelLocator, FedPartialPersistor
 from fedpartial.flare.selector import PooledModelSelector
-from fedpartial_tools.jobtools import JOBS_DIR, NOT_SHIPPED, SHARED_MODEL_KEYS, SHARED_RULE_KEYS
+from fedpartial_tools.jobtools import (JOBS_DIR, NOT_SHIPPED, SHARED_MODEL_KEYS, SHARED_RULE_KEYS, constructor_defaults,
+                                      dataset_settings)
 
 # ---- data the shipped profiles are measured on --------------------------------------------------
 HAM10000 = ["akiec", "bcc", "bkl", "df", "mel", "nv", "vasc"]
@@ -256,8 +257,6 @@ def _spec(cls, **args):
 
 def _without_defaults(rule_path: str, args: dict) -> dict:
     """``args`` less the values equal to the rule constructor's defaults."""
-    from fedpartial_tools.jobtools import constructor_defaults
-
     defaults = constructor_defaults(rule_path)
     unknown = sorted(set(args) - set(defaults))
     if unknown:
@@ -307,8 +306,6 @@ class FedPartialRecipe(Recipe):
             raise ValueError(f"{type(self).__name__} has no profile '{profile}'; choose one of {sorted(self.PROFILES)}")
         chosen = copy.deepcopy(self.PROFILES[profile])
         self.profile = profile
-        from fedpartial_tools.jobtools import constructor_defaults
-
         # a rule argument both rules take (FedIA's warmup_rounds) reaches both, as --set does
         server_takes = constructor_defaults(self.SERVER_RULE)
         shared = {k: v for k, v in (rule_args or {}).items() if k in server_takes}
@@ -322,8 +319,6 @@ class FedPartialRecipe(Recipe):
             "description": chosen["description"],
         }
         if fit_to:
-            from fedpartial_tools.jobtools import dataset_settings
-
             self.settings["model"].update(dataset_settings(fit_to))
         self.data_root, self.with_code, self.seed = data_root, bool(with_code), int(seed)
         self._staging = None
@@ -398,8 +393,6 @@ class FedPartialRecipe(Recipe):
             method: the method's recipe.
             kwargs: further constructor arguments of this baseline (``profile``, ``data_root`` ...).
         """
-        from fedpartial_tools.jobtools import constructor_defaults
-
         mine = cls(**kwargs).settings
         theirs = method.settings
         rule = {**constructor_defaults(method.CLIENT_RULE), **theirs["rule_args"]}
