@@ -112,6 +112,9 @@ def test_a_baseline_matched_to_its_method_takes_model_recipe_and_rounds():
     assert {k: s["rule_args"][k] for k in ("lr", "batch_size", "local_epochs")} == {
         "lr": 0.001, "batch_size": 32, "local_epochs": 1}
     assert "betas" not in s["rule_args"]
+    # a recipe's job names the runtime it needs; jobs/ (exported) names none: package-job writes it
+    client = json.loads((REPO / "jobs/fedavg/app/config/config_fed_client.json").read_text())
+    assert "runtime_version" not in client["executors"][0]["executor"]["args"]
     # FedLSM's 1.3 epochs are an iteration budget: the whole-epoch FedAvg keeps its 1
     lsm = recipes.FedAvgFullRecipe.matched_to(recipes.FedLSMRecipe()).settings
     assert lsm["rule_args"]["local_epochs"] == 1 and lsm["num_rounds"] == 50

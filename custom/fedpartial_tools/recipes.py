@@ -287,8 +287,11 @@ class FedPartialRecipe(Recipe):
             its first site.
         data_root: where each site finds its data (default: the site's working directory).
         with_code: carry the fedpartial package in ``app/custom`` (POC, simulator, and sites that grant
-            bring-your-own-code); the job then also names the runtime version it needs.
+            bring-your-own-code).
         seed: the seed of the model's initialisation and each site's training.
+        runtime_version: the fedpartial version the job needs, checked by the executor and the
+            persistor at the start (default: this ``fedpartial.__version__``; "" = none, as the folders
+            of ``jobs/`` are written).
     """
 
     NAME = ""
@@ -301,7 +304,8 @@ class FedPartialRecipe(Recipe):
     def __init__(self, profile: str = "cpu", *, name: Optional[str] = None, num_rounds: Optional[int] = None,
                  min_clients: Optional[int] = None, model: Optional[dict] = None, rule_args: Optional[dict] = None,
                  server_rule_args: Optional[dict] = None, fit_to: Optional[str] = None,
-                 data_root: Optional[str] = None, with_code: bool = False, seed: int = 0):
+                 data_root: Optional[str] = None, with_code: bool = False, seed: int = 0,
+                 runtime_version: Optional[str] = None):
         if profile not in self.PROFILES:
             raise ValueError(f"{type(self).__name__} has no profile '{profile}'; choose one of {sorted(self.PROFILES)}")
         chosen = copy.deepcopy(self.PROFILES[profile])
@@ -321,6 +325,7 @@ class FedPartialRecipe(Recipe):
         if fit_to:
             self.settings["model"].update(dataset_settings(fit_to))
         self.data_root, self.with_code, self.seed = data_root, bool(with_code), int(seed)
+        self.runtime_version = fedpartial.__version__ if runtime_version is None else str(runtime_version)
         self._staging = None
         super().__init__(self._build_job(name or self.NAME))
 
@@ -340,7 +345,7 @@ class FedPartialRecipe(Recipe):
         workflow._min_clients, workflow._num_rounds = "{min_clients}", "{num_rounds}"
         job.to_server(workflow, id="scatter_and_gather")
         job.to_server(CrossSiteModelEval(model_locator_id="model_locator", submit_model_task_name=""), id="cross_site_validate")
-        runtime = {"runtime_version": fedpartial.__version__} if self.with_code else {}
+        runtime = {"runtime_version": self.runtime_version} if self.runtime_version else {}
         job.to_server(_spec(FedPartialPersistor, model="{model}", seed="{seed}", **runtime), id="persistor")
         job.to_server(FullModelShareableGenerator(), id="shareable_generator")
         job.to_server(_spec(RuleAggregator, rule=self.SERVER_RULE, model="{model}",
@@ -518,6 +523,7 @@ def recipe(recipe_name: str, profile: str = "cpu", **kwargs) -> FedPartialRecipe
 def export_job(name: str, out_dir: str, profile: str = "cpu", **kwargs) -> str:
     """Export recipe ``name`` with ``profile`` as the job folder ``out_dir`` (replaced). Returns it."""
     out_dir = os.path.abspath(out_dir)
+    kwargs.setdefault("runtime_version", "")  # package-job writes the version of the checkout that packages
     r = recipe(name, profile, name=os.path.basename(out_dir), **kwargs)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
