@@ -443,3 +443,17 @@ def test_reliable_lowest_entropy_per_class_keeps_a_share_of_each_predicted_class
     assert reliable_lowest_entropy(entropy, 0.4).tolist() == [True, True, False, False, False]
     assert reliable_lowest_entropy_per_class(entropy, predicted, 0.4).tolist() == [True, True, False, False, True]
     assert reliable_lowest_entropy_per_class(entropy, predicted, 1.0).all()
+
+
+@pytest.mark.parametrize("relation_weight", [0.0, 2.0])
+def test_relation_weight_scales_the_relation_loss_alone(tmp_path, relation_weight):
+    # per step: loss = lambda * (L_c + relation_weight * L_IRM); the round's means keep that sum
+    rule = _client(entropy_threshold=5.0, relation_weight=relation_weight)
+    rule.setup(_ctx(_site_data(labelled=False), tmp_path))
+    target = np.array([[0.98, 0.01, 0.01], [0.01, 0.98, 0.01], [0.01, 0.01, 0.98]])
+    m = rule.train_round(_model(), RoundInput(1, 3, {RELATION_MATRIX: target, RELATION_VALID: np.ones(3)})).metrics
+    assert m["irm_loss"] > 0.0  # measured either way
+    assert m["train_loss"] == pytest.approx(m["ramp_weight"] * (m["consistency_loss"] + relation_weight * m["irm_loss"]),
+                                            rel=1e-5)
+    with pytest.raises(ValueError, match="relation_weight"):
+        _client(relation_weight=-1.0)

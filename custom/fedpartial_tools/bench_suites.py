@@ -84,10 +84,12 @@ _FEDMLP_FIDELITY = {"fedmlp_paper_thresholds": ["rule_args.t0=0.005", "rule_args
                     "fedmlp_adaptive_warmup": ["rule_args.warmup_end=learning_degree", "rule_args.warmup_rounds=15",
                                                "rule_args.min_warmup_rounds=3"]}
 # FedIRM's suspects for "the unlabelled sites do not help", one ablation each: the weight of the
-# unlabelled losses (relation matching + pseudo labels), the entropy filter's pass rate, the
-# teacher's drift (EMA decay), how much the unlabelled sites' updates weigh in aggregation, and the
-# class imbalance of the pseudo labels.
-_FEDIRM_SUSPECTS = {"fedirm_unsup_w0.3": ["rule_args.max_unsupervised_weight=0.3"],
+# relation-matching loss and of both unlabelled losses (relation matching + consistency), the
+# entropy filter's pass rate, the teacher's drift (EMA decay), how much the unlabelled sites'
+# updates weigh in aggregation, and the class imbalance of the pseudo labels.
+_FEDIRM_SUSPECTS = {"fedirm_relation_w0": ["rule_args.relation_weight=0.0"],
+                    "fedirm_relation_w3": ["rule_args.relation_weight=3.0"],
+                    "fedirm_unsup_w0.3": ["rule_args.max_unsupervised_weight=0.3"],
                     "fedirm_unsup_w3": ["rule_args.max_unsupervised_weight=3.0"],
                     "fedirm_pass80": ["rule_args.reliable_fraction=0.8"],
                     "fedirm_pass20": ["rule_args.reliable_fraction=0.2"],

@@ -413,6 +413,8 @@ class FedIRMClient(ClientRule):
             predicted class instead of the batch (:func:`reliable_lowest_entropy_per_class`).
         ramp_rounds: Omega of the Gaussian warm-up (30).
         max_unsupervised_weight: scale of lambda(omega) (1.0 in the paper; the reference code uses 15).
+        relation_weight: weight of the relation-matching loss against the consistency loss within
+            lambda(omega) (1.0, the paper: L_c + L_IRM); 0 leaves the mean teacher alone.
         unlabelled_start_round: first round an unlabelled site trains (0, the paper; the jobs use 20,
             as the reference code does: see the module docstring).
             Before it, the site returns ``num_samples = 0``.
@@ -434,7 +436,7 @@ class FedIRMClient(ClientRule):
                  mc_passes: int = 8, entropy_threshold: float = math.log(2.0),
                  multilabel_entropy_threshold: float = 0.5, min_confidence: float = 0.0, ramp_rounds: int = 30,
                  reliable_fraction: float = 0.0, reliable_per_class: bool = False,
-                 max_unsupervised_weight: float = 1.0, unlabelled_start_round: int = 0,
+                 max_unsupervised_weight: float = 1.0, relation_weight: float = 1.0, unlabelled_start_round: int = 0,
                  ramp_scales_lr: bool = False, lr: float = 2e-4,
                  weight_decay: float = 5e-4, betas=(0.9, 0.99), batch_size: int = 48, local_epochs: int = 1,
                  augmentation: str = "paper", rotate_deg: float = 10.0, translate: float = 0.02):
@@ -466,6 +468,9 @@ class FedIRMClient(ClientRule):
         self.multilabel_entropy_threshold = float(multilabel_entropy_threshold)
         self.min_confidence = float(min_confidence)
         self.ramp_rounds, self.max_unsupervised_weight = int(ramp_rounds), float(max_unsupervised_weight)
+        if float(relation_weight) < 0:
+            raise ValueError(f"FedIRM relation_weight must be >= 0, got {relation_weight}")
+        self.relation_weight = float(relation_weight)
         self.unlabelled_start_round = int(unlabelled_start_round)
         self.ramp_scales_lr = bool(ramp_scales_lr)
         self.lr, self.weight_decay, self.betas = float(lr), float(weight_decay), tuple(betas)
@@ -679,7 +684,7 @@ class FedIRMClient(ClientRule):
                     if reference is not None:  # diagnostics only: precision of the kept pseudo labels
                         truth = torch.as_tensor(reference[self.rows[idx]], dtype=torch.float32, device=device)
                         correct += float((pseudo * truth).sum())
-                loss = weight * (loss_c + loss_irm)
+                loss = weight * (loss_c + self.relation_weight * loss_irm)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
