@@ -99,6 +99,10 @@ _FEDIRM_SUSPECTS = {"fedirm_relation_w0": ["rule_args.relation_weight=0.0"],
                     "fedirm_unlabelled_w0.05": ["rule_args.unlabelled_weight=0.05"],
                     # class imbalance of the pseudo labels: the reliable share taken per predicted class
                     "fedirm_per_class": ["rule_args.reliable_per_class=true"]}
+# FedMLP's Table 3: each part taken away in turn (missing-label detection, the warm-up's partial-class
+# loss, consistency with the global model); the paper's order is that each adds
+_FEDMLP_TABLE3 = {"fedmlp_no_mld": ["rule_args.use_mld=false"], "fedmlp_no_wpc": ["rule_args.use_wpc=false"],
+                  "fedmlp_no_cr": ["rule_args.use_cr=false"]}
 SUITES: Dict[str, Suite] = {
     "fedlsm-ham": Suite("ham10000_28.npz", "label-set-mismatch", {"classes_per_site": 3}, 5, "fedlsm", "fedavg",
                         "fedavg_full", ["fedavg_partial_loss"],
@@ -145,7 +149,7 @@ SUITES: Dict[str, Suite] = {
     # baselines' gap is too small the setting gets harder (epochs, rounds), never the data easier.
     "fedmlp-premise": Suite("premise_multilabel_32.npz", "label-set-mismatch", {"classes_per_site": 1}, 5, "fedmlp",
                             "fedavg", "fedavg_full", ["fedavg_partial_loss"], metrics=["auc", "map", "bacc", "f1"],
-                            generator="make_premise_multilabel", variants=_FEDMLP_FIDELITY,
+                            generator="make_premise_multilabel", variants={**_FEDMLP_FIDELITY, **_FEDMLP_TABLE3},
                             cpu_departures=_PREMISE_DEPARTURES,
                             overrides={"cpu": _CPU_CLS + _PREMISE_CPU}),
     # control: prevalence x 0.1 (CT-ICH's 1.5-4.5 %); the mechanism predicts a smaller margin
