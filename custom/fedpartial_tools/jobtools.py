@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import fedpartial
 
@@ -214,12 +214,32 @@ def job_settings(job_dir: str, overrides: Sequence[str] = ()) -> dict:
             "num_rounds": configs["server"].get("num_rounds")}
 
 
-def matched_sets(method_dir: str, baseline_dir: str, overrides: Sequence[str] = ()) -> List[str]:
-    """``--set`` items that give a baseline job its method's model (:data:`SHARED_MODEL_KEYS`),
-    local recipe (:data:`SHARED_RULE_KEYS`) and number of rounds.
+def taken_from_method(method: dict, baseline_rule_args: dict) -> Tuple[dict, dict]:
+    """The model keys (:data:`SHARED_MODEL_KEYS`) and rule arguments (:data:`SHARED_RULE_KEYS` the
+    baseline's rule takes) that a baseline takes from its method, so that a comparison is of rules.
 
-    ``local_epochs`` is matched only when the method's is a whole number: FedLSM's 1.3 epochs are
+    ``local_epochs`` is taken only when the method's is a whole number: FedLSM's 1.3 epochs are
     its iteration budget, and the FedAvg rules count whole epochs.
+
+    Args:
+        method: the method's effective ``model`` and ``rule_args`` (:func:`job_settings`).
+        baseline_rule_args: the baseline rule's arguments (any values: only the names count).
+    """
+    model = {k: method["model"][k] for k in SHARED_MODEL_KEYS if k in method["model"]}
+    rule = {}
+    for key in SHARED_RULE_KEYS:
+        value = method["rule_args"].get(key)
+        if key not in baseline_rule_args or value is None:
+            continue
+        if key == "local_epochs" and float(value) != int(value):
+            continue
+        rule[key] = value
+    return model, rule
+
+
+def matched_sets(method_dir: str, baseline_dir: str, overrides: Sequence[str] = ()) -> List[str]:
+    """``--set`` items that give a baseline job its method's model, local recipe and number of
+    rounds (:func:`taken_from_method`), where they differ.
 
     Args:
         method_dir: the method's job folder (e.g. ``jobs/fedlsm``).
@@ -227,17 +247,10 @@ def matched_sets(method_dir: str, baseline_dir: str, overrides: Sequence[str] = 
         overrides: ``--set`` items applied to both first (a profile, the data's size).
     """
     method, base = job_settings(method_dir, overrides), job_settings(baseline_dir, overrides)
+    model, rule = taken_from_method(method, base["rule_args"])
     out = [f"num_rounds={method['num_rounds']}"] if base["num_rounds"] != method["num_rounds"] else []
-    for key in SHARED_MODEL_KEYS:
-        if key in method["model"] and base["model"].get(key) != method["model"][key]:
-            out.append(f"model.{key}={json.dumps(method['model'][key])}")
-    for key in SHARED_RULE_KEYS:
-        value = method["rule_args"].get(key)
-        if key not in base["rule_args"] or value is None or value == base["rule_args"][key]:
-            continue
-        if key == "local_epochs" and float(value) != int(value):
-            continue
-        out.append(f"rule_args.{key}={json.dumps(value)}")
+    out += [f"model.{k}={json.dumps(v)}" for k, v in model.items() if base["model"].get(k) != v]
+    out += [f"rule_args.{k}={json.dumps(v)}" for k, v in rule.items() if base["rule_args"][k] != v]
     return out
 
 

@@ -47,8 +47,7 @@ from fedpartial.flare.executors import FedPartialExecutor
 from fedpartial.flare.filters import StatisticsPrivacyFilter
 from fedpartial.flare.persistor import FedPartialModelLocator, FedPartialPersistor
 from fedpartial.flare.selector import PooledModelSelector
-from fedpartial_tools.jobtools import (JOBS_DIR, NOT_SHIPPED, SHARED_MODEL_KEYS, SHARED_RULE_KEYS, constructor_defaults,
-                                      dataset_settings)
+from fedpartial_tools.jobtools import JOBS_DIR, NOT_SHIPPED, constructor_defaults, dataset_settings, taken_from_method
 
 # ---- data the shipped profiles are measured on --------------------------------------------------
 HAM10000 = ["akiec", "bcc", "bkl", "df", "mel", "nv", "vasc"]
@@ -306,14 +305,29 @@ class FedPartialRecipe(Recipe):
                  server_rule_args: Optional[dict] = None, fit_to: Optional[str] = None,
                  data_root: Optional[str] = None, with_code: bool = False, seed: int = 0,
                  runtime_version: Optional[str] = None):
-        if profile not in self.PROFILES:
-            raise ValueError(f"{type(self).__name__} has no profile '{profile}'; choose one of {sorted(self.PROFILES)}")
-        chosen = copy.deepcopy(self.PROFILES[profile])
         self.profile = profile
+        self.settings = self.profile_settings(profile, num_rounds=num_rounds, min_clients=min_clients, model=model,
+                                              rule_args=rule_args, server_rule_args=server_rule_args, fit_to=fit_to)
+        self.data_root, self.with_code, self.seed = data_root, bool(with_code), int(seed)
+        self.runtime_version = fedpartial.__version__ if runtime_version is None else str(runtime_version)
+        self._staging = None
+        super().__init__(self._build_job(name or self.NAME))
+
+    @classmethod
+    def profile_settings(cls, profile: str = "cpu", *, num_rounds: Optional[int] = None,
+                         min_clients: Optional[int] = None, model: Optional[dict] = None,
+                         rule_args: Optional[dict] = None, server_rule_args: Optional[dict] = None,
+                         fit_to: Optional[str] = None, **_ignored) -> dict:
+        """The settings a recipe built with these arguments exports (the constructor's, less the job's
+        name, data root, code and seed): ``model``, ``rule_args``, ``server_rule_args``,
+        ``num_rounds``, ``min_clients``, ``data_file``, ``description``."""
+        if profile not in cls.PROFILES:
+            raise ValueError(f"{cls.__name__} has no profile '{profile}'; choose one of {sorted(cls.PROFILES)}")
+        chosen = copy.deepcopy(cls.PROFILES[profile])
         # a rule argument both rules take (FedIA's warmup_rounds) reaches both, as --set does
-        server_takes = constructor_defaults(self.SERVER_RULE)
+        server_takes = constructor_defaults(cls.SERVER_RULE)
         shared = {k: v for k, v in (rule_args or {}).items() if k in server_takes}
-        self.settings = {
+        settings = {
             "model": {**chosen["model"], **(model or {})},
             "rule_args": {**chosen.get("rule_args", {}), **(rule_args or {})},
             "server_rule_args": {**chosen.get("server_rule_args", {}), **shared, **(server_rule_args or {})},
@@ -323,11 +337,8 @@ class FedPartialRecipe(Recipe):
             "description": chosen["description"],
         }
         if fit_to:
-            self.settings["model"].update(dataset_settings(fit_to))
-        self.data_root, self.with_code, self.seed = data_root, bool(with_code), int(seed)
-        self.runtime_version = fedpartial.__version__ if runtime_version is None else str(runtime_version)
-        self._staging = None
-        super().__init__(self._build_job(name or self.NAME))
+            settings["model"].update(dataset_settings(fit_to))
+        return settings
 
     # the preset may depend on the task (FedIRM's multi-label relation vectors)
     def preset(self) -> Optional[str]:
@@ -398,22 +409,13 @@ class FedPartialRecipe(Recipe):
             method: the method's recipe.
             kwargs: further constructor arguments of this baseline (``profile``, ``data_root`` ...).
         """
-        mine = cls(**kwargs).settings
-        theirs = method.settings
-        rule = {**constructor_defaults(method.CLIENT_RULE), **theirs["rule_args"]}
-        accepted = constructor_defaults(cls.CLIENT_RULE)
-        shared_rule = {}
-        for key in SHARED_RULE_KEYS:
-            value = rule.get(key)
-            if key not in accepted or value is None:
-                continue
-            if key == "local_epochs" and float(value) != int(value):
-                continue  # FedLSM's 1.3 epochs are its iteration budget; the FedAvg rules count whole epochs
-            shared_rule[key] = value
-        model = {k: theirs["model"][k] for k in SHARED_MODEL_KEYS if k in theirs["model"]}
+        mine = cls.profile_settings(**kwargs)
+        effective = {"model": method.settings["model"],
+                     "rule_args": {**constructor_defaults(method.CLIENT_RULE), **method.settings["rule_args"]}}
+        model, rule = taken_from_method(effective, constructor_defaults(cls.CLIENT_RULE))
         kwargs = {k: v for k, v in kwargs.items() if k not in ("model", "rule_args", "num_rounds")}
-        return cls(model={**mine["model"], **model}, rule_args={**mine["rule_args"], **shared_rule},
-                   num_rounds=theirs["num_rounds"], **kwargs)
+        return cls(model={**mine["model"], **model}, rule_args={**mine["rule_args"], **rule},
+                   num_rounds=method.settings["num_rounds"], **kwargs)
 
     def __del__(self):
         if getattr(self, "_staging", None):
