@@ -47,7 +47,7 @@ from fedpartial.flare.executors import FedPartialExecutor
 from fedpartial.flare.filters import StatisticsPrivacyFilter
 from fedpartial.flare.persistor import FedPartialModelLocator, FedPartialPersistor
 from fedpartial.flare.selector import PooledModelSelector
-from fedpartial_tools.jobtools import JOBS_DIR, NOT_SHIPPED, constructor_defaults, dataset_settings, taken_from_method
+from fedpartial_tools.jobtools import JOBS_DIR, constructor_defaults, copy_runtime, dataset_settings, taken_from_method
 
 # ---- data the shipped profiles are measured on --------------------------------------------------
 HAM10000 = ["akiec", "bcc", "bkl", "df", "mel", "nv", "vasc"]
@@ -382,8 +382,7 @@ class FedPartialRecipe(Recipe):
                            filter_type=FilterType.TASK_RESULT, tasks=["train"])
         if self.with_code:
             self._staging = tempfile.mkdtemp(prefix="fedpartial-code-")
-            shutil.copytree(os.path.dirname(os.path.abspath(fedpartial.__file__)),
-                            os.path.join(self._staging, "fedpartial"), ignore=shutil.ignore_patterns(*NOT_SHIPPED))
+            copy_runtime(self._staging)
             job.to_server(self._staging)
             job.to_clients(self._staging)
         return job
