@@ -127,7 +127,7 @@ def _sites_for(recipe_name, root):
     if recipe_name in ("fedia", "fedavg_seg", "fedavg_seg_full"):
         from tests.test_e2e_fedia import write_sites
         write_sites(root)
-    elif recipe_name == "fedmlp":
+    elif recipe_name in ("fedmlp", "fedavg_full"):  # multi-label, with the reference copies the full bound reads
         from tests.test_e2e_fedmlp import _write_split
         _write_split(root)
     elif recipe_name == "fedirm":
@@ -149,14 +149,19 @@ _TINY = {
     "fedirm": ({"model": _TINY_CNN, "rule_args": {"batch_size": 16, "mc_passes": 2, "augmentation": "flip",
                                                   "unlabelled_start_round": 0}}, "auc"),
     "fedia": ({"model": _TINY_UNET, "rule_args": {"lr": 0.01, "warmup_rounds": 2}}, "dice_pooled"),
+    "fedavg_partial_loss": ({"model": _TINY_CNN, "rule_args": {"batch_size": 16}}, "auc"),
+    "fedavg_full": ({"model": _TINY_CNN, "rule_args": {"batch_size": 16}}, "auc"),
+    "fedavg_seg": ({"model": _TINY_UNET, "rule_args": {"lr": 0.01}}, "dice_pooled"),
+    "fedavg_seg_full": ({"model": _TINY_UNET, "rule_args": {"lr": 0.01}}, "dice_pooled"),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe_name", sorted(_TINY))
+@pytest.mark.parametrize("recipe_name", sorted(recipes.RECIPES))
 def test_a_recipe_runs_in_flares_simenv(tmp_path, recipe_name):
-    """RECIPE(...).execute(SimEnv(...)) with the code carried in the job: 3 sites, 2 rounds, FLARE's
-    own simulator environment; the global model is fitted to the data and every round aggregated."""
+    """RECIPE(...).execute(SimEnv(...)) for every recipe, with the code carried in the job: 3 sites,
+    2 rounds, FLARE's own simulator environment; the global model is fitted to the data and every
+    round aggregated."""
     from nvflare.recipe import SimEnv
 
     from fedpartial.models.io import load_model_file
