@@ -42,6 +42,9 @@ def _config_paths(job_dir: str) -> Dict[str, str]:
     return paths
 
 
+_LISTS = ("components", "workflows", "executors", "task_result_filters", "task_data_filters")
+
+
 def _components(config: dict) -> List[tuple]:
     """``(class path, args)`` of every component, workflow, executor and filter of a config."""
     out = []
@@ -144,8 +147,6 @@ def apply_overrides(configs: Dict[str, dict], overrides: Sequence[str]) -> None:
             raise ValueError(f"--set '{key}': no such setting in the job's configs (nor an argument of its components)")
 
 
-_LISTS = ("components", "workflows", "executors", "task_result_filters", "task_data_filters")
-
 
 # Components that refuse a job naming another runtime version than the installed fedpartial.
 RUNTIME_CHECKED = ("fedpartial.flare.executors.FedPartialExecutor", "fedpartial.flare.persistor.FedPartialPersistor")
@@ -160,18 +161,19 @@ SHARED_RULE_KEYS = ("lr", "weight_decay", "batch_size", "local_epochs")  # Adam'
 JOBS_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "jobs"))
 
 
-_EXPORTS: List[str] = []
+_EXPORTS: Dict[Tuple[str, str], str] = {}  # (recipe, profile) -> its export, read-only, made once
 
 
 def _remove_exports() -> None:
-    for folder in _EXPORTS:
-        shutil.rmtree(folder, ignore_errors=True)
+    for folder in _EXPORTS.values():
+        shutil.rmtree(os.path.dirname(folder), ignore_errors=True)
 
 
 def find_job(job: str, profile: Optional[str] = None) -> str:
     """A job folder: ``job`` as a path, a name of the repository's ``jobs/`` (``fedlsm``), or a
     recipe with a profile (``fedmlp:ctich``, or ``job="fedmlp", profile="ctich"``), exported from
-    :mod:`fedpartial_tools.recipes` into a temporary folder (removed at exit).
+    :mod:`fedpartial_tools.recipes` once per process into a temporary folder (removed at exit; read
+    it, never change it).
 
     Args:
         job: folder, job name or ``RECIPE:PROFILE``.
@@ -191,10 +193,12 @@ def find_job(job: str, profile: Optional[str] = None) -> str:
     name = os.path.basename(job.rstrip("/"))
     if name not in RECIPES:
         raise ValueError(f"profile '{profile}' needs a recipe's job (one of {sorted(RECIPES)}), got '{job}'")
-    if not _EXPORTS:
-        atexit.register(_remove_exports)
-    _EXPORTS.append(tempfile.mkdtemp(prefix="fedpartial-job-"))
-    return export_job(name, os.path.join(_EXPORTS[-1], f"{name}_{profile}"), profile)
+    if (name, profile) not in _EXPORTS:  # a bench asks for the same profile once per job and seed
+        if not _EXPORTS:
+            atexit.register(_remove_exports)
+        folder = os.path.join(tempfile.mkdtemp(prefix="fedpartial-job-"), f"{name}_{profile}")
+        _EXPORTS[(name, profile)] = export_job(name, folder, profile)
+    return _EXPORTS[(name, profile)]
 
 
 def job_settings(job_dir: str, overrides: Sequence[str] = ()) -> dict:
