@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext, SiteUpdate
-from fedpartial.algorithms.fedirm import (RELATION_COUNTS, RELATION_MATRIX, RELATION_MULTILABEL, RELATION_VALID,
+from fedpartial.algorithms.fedirm import (pseudo_label_loss, RELATION_COUNTS, RELATION_MATRIX, RELATION_MULTILABEL, RELATION_VALID,
                                           TEACHER_FILE, FedIRMClient, FedIRMServer, average_relation_matrices,
                                           consistency_loss, mc_dropout_probabilities, ramp_weight, relation_matrix,
                                           reliable_lowest_entropy, reliable_lowest_entropy_per_class, reliable_mask,
@@ -457,3 +457,34 @@ def test_relation_weight_scales_the_relation_loss_alone(tmp_path, relation_weigh
                                             rel=1e-5)
     with pytest.raises(ValueError, match="relation_weight"):
         _client(relation_weight=-1.0)
+
+
+def test_pseudo_label_loss_is_the_cross_entropy_of_the_reliable_predictions():
+    # logits [0,0,0] -> class 0: ln 3; [ln 4, 0, 0] -> class 0: -ln(4/6) = ln 1.5; [0,0,0] -> class 1: ln 3
+    logits = torch.tensor([[0.0, 0.0, 0.0], [math.log(4.0), 0.0, 0.0], [0.0, 0.0, 0.0]])
+    targets = torch.eye(3)[[0, 0, 1]]
+    reliable = torch.tensor([True, True, False])
+    assert float(pseudo_label_loss(logits, targets, reliable)) == pytest.approx((math.log(3) + math.log(1.5)) / 2)
+    # balanced, all three kept: class 0's two samples weigh 1/2 each, class 1's one sample 1
+    every = torch.ones(3, dtype=torch.bool)
+    assert float(pseudo_label_loss(logits, targets, every)) == pytest.approx((2 * math.log(3) + math.log(1.5)) / 3)
+    assert float(pseudo_label_loss(logits, targets, every, balanced=True)) == pytest.approx(
+        (0.5 * math.log(3) + 0.5 * math.log(1.5) + math.log(3)) / 2)
+    assert float(pseudo_label_loss(logits, targets, torch.zeros(3, dtype=torch.bool))) == 0.0
+    # multi-label: the reliable entry alone, BCE(sigmoid(ln 3) = 3/4, 1) = ln(4/3)
+    assert float(pseudo_label_loss(torch.tensor([[0.0, math.log(3.0)]]), torch.tensor([[1.0, 1.0]]),
+                                   torch.tensor([[False, True]]), multilabel=True)) == pytest.approx(math.log(4 / 3))
+
+
+@pytest.mark.parametrize("pseudo_label_weight", [0.0, 0.5])
+def test_pseudo_label_weight_adds_the_self_training_loss(tmp_path, pseudo_label_weight):
+    # per step: loss = lambda * (L_c + L_IRM + pseudo_label_weight * L_pseudo); the paper's rule has no L_pseudo
+    rule = _client(entropy_threshold=5.0, pseudo_label_weight=pseudo_label_weight)
+    rule.setup(_ctx(_site_data(labelled=False), tmp_path))
+    target = np.array([[0.98, 0.01, 0.01], [0.01, 0.98, 0.01], [0.01, 0.01, 0.98]])
+    m = rule.train_round(_model(), RoundInput(1, 3, {RELATION_MATRIX: target, RELATION_VALID: np.ones(3)})).metrics
+    assert (m["pseudo_label_loss"] > 0.0) == (pseudo_label_weight > 0)
+    assert m["train_loss"] == pytest.approx(
+        m["ramp_weight"] * (m["consistency_loss"] + m["irm_loss"] + pseudo_label_weight * m["pseudo_label_loss"]), rel=1e-5)
+    with pytest.raises(ValueError, match="pseudo_label_weight"):
+        _client(pseudo_label_weight=-1.0)

@@ -98,7 +98,14 @@ _FEDIRM_SUSPECTS = {"fedirm_relation_w0": ["rule_args.relation_weight=0.0"],
                     "fedirm_unlabelled_w1": ["rule_args.unlabelled_weight=1.0"],
                     "fedirm_unlabelled_w0.05": ["rule_args.unlabelled_weight=0.05"],
                     # class imbalance of the pseudo labels: the reliable share taken per predicted class
-                    "fedirm_per_class": ["rule_args.reliable_per_class=true"]}
+                    "fedirm_per_class": ["rule_args.reliable_per_class=true"],
+                    # no unlabelled loss teaches classes: self-training on the reliable pseudo labels
+                    "fedirm_pseudo": ["rule_args.pseudo_label_weight=1.0"],
+                    "fedirm_pseudo_balanced": ["rule_args.pseudo_label_weight=1.0", "rule_args.pseudo_label_balance=true"],
+                    # too few rounds with the unlabelled sites (they join at 20 of 30)
+                    "fedirm_join10": ["rule_args.unlabelled_start_round=10"],
+                    "fedirm_join10_unlabelled_w0.05": ["rule_args.unlabelled_start_round=10",
+                                                       "rule_args.unlabelled_weight=0.05"]}
 # FedMLP's Table 3: each part taken away in turn (missing-label detection, the warm-up's partial-class
 # loss, consistency with the global model); the paper's order is that each adds
 _FEDMLP_TABLE3 = {"fedmlp_no_mld": ["rule_args.use_mld=false"], "fedmlp_no_wpc": ["rule_args.use_wpc=false"],

@@ -63,6 +63,10 @@ the weight average (eight unlabelled sites of ten otherwise outweigh the labelle
 The ``fedirm`` job ships 0.5 / 0.25: on HAM10000 (10 sites, 2 labelled, 30 rounds, 3 seeds, bench suite
 fedirm-ham) it reached test AUC 0.915 +- 0.005 against the paper rule's 0.904 +- 0.005, higher on every
 seed; the same recipe on the labelled sites alone reached 0.921 +- 0.002 (docs/RESULTS.md).
+``relation_weight`` (1, the paper) scales L_IRM alone, ``pseudo_label_weight`` (0, the paper) adds
+self-training on the reliable pseudo labels (:func:`pseudo_label_loss`), ``reliable_per_class``
+takes the reliable share per predicted class: the ablations of "the unlabelled sites do not help"
+(docs/RESULTS.md, FedIRM where the labelled sites cannot learn alone); none is on in the jobs.
 
 Multi-label variant (not in the paper nor the reference code, which are single-label):
     relation "rows" are vectors of independent Bernoulli probabilities: row c = sigmoid(mean
@@ -334,6 +338,30 @@ def consistency_loss(student_probs: torch.Tensor, teacher_probs: torch.Tensor) -
     return ((student_probs - teacher_probs.detach()) ** 2).sum(dim=1).mean()
 
 
+def pseudo_label_loss(logits: torch.Tensor, targets: torch.Tensor, reliable: torch.Tensor,
+                      multilabel: bool = False, balanced: bool = False) -> torch.Tensor:
+    """Self-training on the reliable pseudo labels: cross-entropy of the student's logits against
+    its reliable predictions (binary cross-entropy on the reliable entries for multi-label); 0 when
+    none is reliable.
+
+    Args:
+        logits: ``(N, C)`` student logits.
+        targets: ``(N, C)`` 0/1 predicted labels (one-hot of the argmax for single-label).
+        reliable: ``(N,)`` (single-label) or ``(N, C)`` (multi-label) bool mask of the kept predictions.
+        multilabel: binary cross-entropy per entry.
+        balanced: single-label: every pseudo class present weighs the same in the batch (each sample
+            ``1 / n_c`` of its class), so that the majority class does not make the whole loss.
+    """
+    if multilabel:
+        return masked_bce_with_logits(logits, targets.to(logits.dtype), reliable.to(logits.dtype))
+    kept = reliable.to(logits.dtype)
+    index = targets.argmax(dim=1)
+    if balanced:
+        per_class = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device).index_add_(0, index, kept)
+        kept = kept / per_class[index].clamp_min(1.0)
+    return masked_cross_entropy(logits, index, sample_weight=kept)
+
+
 def average_relation_matrices(matrices: List[np.ndarray], counts: List[np.ndarray], weighting: str = "sites",
                               previous: Optional[np.ndarray] = None, previous_valid: Optional[np.ndarray] = None,
                               multilabel: bool = False) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -415,6 +443,10 @@ class FedIRMClient(ClientRule):
         max_unsupervised_weight: scale of lambda(omega) (1.0 in the paper; the reference code uses 15).
         relation_weight: weight of the relation-matching loss against the consistency loss within
             lambda(omega) (1.0, the paper: L_c + L_IRM); 0 leaves the mean teacher alone.
+        pseudo_label_weight: weight of :func:`pseudo_label_loss` on the reliable pseudo labels,
+            within lambda(omega) beside L_c and L_IRM (0, the paper: its pseudo labels only build
+            ``M^u``).
+        pseudo_label_balance: every pseudo class weighs the same in that loss (single-label).
         unlabelled_start_round: first round an unlabelled site trains (0, the paper; the jobs use 20,
             as the reference code does: see the module docstring).
             Before it, the site returns ``num_samples = 0``.
@@ -436,7 +468,8 @@ class FedIRMClient(ClientRule):
                  mc_passes: int = 8, entropy_threshold: float = math.log(2.0),
                  multilabel_entropy_threshold: float = 0.5, min_confidence: float = 0.0, ramp_rounds: int = 30,
                  reliable_fraction: float = 0.0, reliable_per_class: bool = False,
-                 max_unsupervised_weight: float = 1.0, relation_weight: float = 1.0, unlabelled_start_round: int = 0,
+                 max_unsupervised_weight: float = 1.0, relation_weight: float = 1.0, pseudo_label_weight: float = 0.0,
+                 pseudo_label_balance: bool = False, unlabelled_start_round: int = 0,
                  ramp_scales_lr: bool = False, lr: float = 2e-4,
                  weight_decay: float = 5e-4, betas=(0.9, 0.99), batch_size: int = 48, local_epochs: int = 1,
                  augmentation: str = "paper", rotate_deg: float = 10.0, translate: float = 0.02):
@@ -471,6 +504,9 @@ class FedIRMClient(ClientRule):
         if float(relation_weight) < 0:
             raise ValueError(f"FedIRM relation_weight must be >= 0, got {relation_weight}")
         self.relation_weight = float(relation_weight)
+        if float(pseudo_label_weight) < 0:
+            raise ValueError(f"FedIRM pseudo_label_weight must be >= 0, got {pseudo_label_weight}")
+        self.pseudo_label_weight, self.pseudo_label_balance = float(pseudo_label_weight), bool(pseudo_label_balance)
         self.unlabelled_start_round = int(unlabelled_start_round)
         self.ramp_scales_lr = bool(ramp_scales_lr)
         self.lr, self.weight_decay, self.betas = float(lr), float(weight_decay), tuple(betas)
@@ -653,7 +689,7 @@ class FedIRMClient(ClientRule):
         optimizer = self._optimizer(model, ramp_weight(inp.round, self.ramp_rounds) if self.ramp_scales_lr else 1.0)
         model.train()
         teacher.model.train()  # dropout is the teacher's own perturbation, as in the mean teacher
-        totals = {"loss": 0.0, "consistency": 0.0, "irm": 0.0}
+        totals = {"loss": 0.0, "consistency": 0.0, "irm": 0.0, "pseudo": 0.0}
         steps, kept, seen, correct = 0, 0.0, 0.0, 0.0
         for _ in range(self.local_epochs):
             for idx in batch_indices(n, self.batch_size, rng, drop_last=True):
@@ -668,6 +704,7 @@ class FedIRMClient(ClientRule):
                 student_probs = probabilities(logits, task)
                 loss_c = consistency_loss(student_probs, probabilities(teacher_logits, task))
                 loss_irm = logits.sum() * 0.0
+                loss_pseudo = logits.sum() * 0.0
                 if target is not None:
                     mc = mc_dropout_probabilities(model, x_student, self.mc_passes, self.multilabel)
                     reliable, entropy = reliable_mask(mc, threshold, self.multilabel)
@@ -679,12 +716,19 @@ class FedIRMClient(ClientRule):
                     pseudo = self._pseudo_labels(student_probs.detach(), reliable)
                     batch_matrix, batch_counts = relation_matrix(logits, pseudo, self.temperature, self.multilabel)
                     loss_irm = symmetric_kl(target, batch_matrix, (batch_counts > 0) & target_valid, self.multilabel)
+                    if self.pseudo_label_weight > 0:
+                        if self.multilabel:  # reliable entries, positive and negative
+                            predicted, kept_entries = (student_probs.detach() > 0.5).float(), reliable
+                        else:
+                            predicted, kept_entries = pseudo, pseudo.sum(dim=1) > 0
+                        loss_pseudo = pseudo_label_loss(logits, predicted, kept_entries, self.multilabel,
+                                                        self.pseudo_label_balance)
                     kept += float(pseudo.sum())
                     seen += float(pseudo.shape[0] if not self.multilabel else pseudo.numel())
                     if reference is not None:  # diagnostics only: precision of the kept pseudo labels
                         truth = torch.as_tensor(reference[self.rows[idx]], dtype=torch.float32, device=device)
                         correct += float((pseudo * truth).sum())
-                loss = weight * (loss_c + self.relation_weight * loss_irm)
+                loss = weight * (loss_c + self.relation_weight * loss_irm + self.pseudo_label_weight * loss_pseudo)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -693,10 +737,11 @@ class FedIRMClient(ClientRule):
                 totals["loss"] += float(loss.detach())
                 totals["consistency"] += float(loss_c.detach())
                 totals["irm"] += float(loss_irm.detach())
+                totals["pseudo"] += float(loss_pseudo.detach())
         self._save_teacher(inp.round)
         metrics = {"train_loss": totals["loss"] / max(steps, 1),
                    "consistency_loss": totals["consistency"] / max(steps, 1),
-                   "irm_loss": totals["irm"] / max(steps, 1)}
+                   "irm_loss": totals["irm"] / max(steps, 1), "pseudo_label_loss": totals["pseudo"] / max(steps, 1)}
         metrics.update({"train_steps": float(steps), "labelled": 0.0, "ramp_weight": weight,
                         "irm_active": float(target is not None)})
         if target is not None:
