@@ -221,22 +221,23 @@ _FEDIRM_CPU = {"unlabelled_start_round": 20, **_CLS_RECIPE, "reliable_fraction":
 _IRM_MODEL = {**HAM_MODEL, "arch_args": {"width": 32, "depth": 3, "dropout": 0.2}}
 FEDIRM_PROFILES = {
     "cpu": {"model": _IRM_MODEL, "num_rounds": 30, "min_clients": 10, "rule_args": _FEDIRM_CPU,
-            "server_rule_args": {"unlabelled_weight": 0.25},
+            "server_rule_args": {"unlabelled_weight": 0.05},
             "description": "FedIRM (MICCAI 2021), federated semi-supervised: labelled sites train with CE and send "
                            "their disease relation matrix; unlabelled sites train a mean teacher with consistency + "
                            "inter-client relation matching (uncertainty-filtered pseudo labels, MC dropout). Data: "
                            "HAM10000 (../shared/data/ham10000_28.npz), 10 sites, 2 labelled (split scenario "
                            "semi-supervised). CPU profile: small_cnn with dropout 0.2, lr 1e-3, 30 rounds, and our "
-                           "rule, which won on every seed (AUC 0.915 vs 0.904, 3 seeds): the lowest-entropy half of "
-                           "each batch is reliable (reliable_fraction 0.5) and unlabelled sites weigh a quarter of "
-                           "their size in the average (unlabelled_weight 0.25). Paper: profile 'paper'."},
+                           "rule: the lowest-entropy half of each batch is reliable (reliable_fraction 0.5) and "
+                           "unlabelled sites weigh 0.05 of their size in the average (unlabelled_weight 0.05; AUC "
+                           "0.921 vs the paper rule's 0.904 and the labelled sites alone 0.921, 3 seeds). Paper: "
+                           "profile 'paper'."},
     "multilabel": {"model": {**NIH_MODEL, "arch_args": {"width": 32, "depth": 4, "dropout": 0.2}}, "num_rounds": 30,
                    "min_clients": 10, "rule_args": {**_FEDIRM_CPU, "reliable_fraction": 0.0},
                    "description": "FedIRM multi-label variant (not in the paper): sigmoid relation vectors, per-entry "
                                   "binary-entropy filter, symmetric binary KL. Data: NIH ChestX-ray14 "
                                   "(../shared/data/nih_chestxray14_64.npz), 10 sites, 2 labelled. Keeps the paper's "
                                   "filter and weighting (reliable_fraction 0, unlabelled_weight 1): the cpu "
-                                  "profile's 0.5 / 0.25 were measured on HAM10000 only."},
+                                  "profile's 0.5 / 0.05 were measured on HAM10000 only."},
     "paper": {"model": _model({"dropout": 0.2}, HAM10000, 3, 28, "single-label", arch="densenet121"),
               "num_rounds": 100, "min_clients": 10, "rule_args": {"unlabelled_start_round": 20},
               "description": "FedIRM (MICCAI 2021), the paper's setting: DenseNet-121, lr 2e-4, 100 rounds, the ln 2 "
