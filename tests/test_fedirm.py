@@ -445,18 +445,22 @@ def test_reliable_lowest_entropy_per_class_keeps_a_share_of_each_predicted_class
     assert reliable_lowest_entropy_per_class(entropy, predicted, 1.0).all()
 
 
-@pytest.mark.parametrize("relation_weight", [0.0, 2.0])
-def test_relation_weight_scales_the_relation_loss_alone(tmp_path, relation_weight):
-    # per step: loss = lambda * (L_c + relation_weight * L_IRM); the round's means keep that sum
-    rule = _client(entropy_threshold=5.0, relation_weight=relation_weight)
+@pytest.mark.parametrize("relation_weight, pseudo_label_weight", [(1.0, 0.0), (0.0, 0.0), (2.0, 0.0), (1.0, 0.5)])
+def test_unlabelled_loss_weighs_each_part(tmp_path, relation_weight, pseudo_label_weight):
+    # per step: loss = lambda * (L_c + relation_weight * L_IRM + pseudo_label_weight * L_pseudo); the round's
+    # means keep that sum; the paper's rule is (1, 0) and has no L_pseudo
+    rule = _client(entropy_threshold=5.0, relation_weight=relation_weight, pseudo_label_weight=pseudo_label_weight)
     rule.setup(_ctx(_site_data(labelled=False), tmp_path))
     target = np.array([[0.98, 0.01, 0.01], [0.01, 0.98, 0.01], [0.01, 0.01, 0.98]])
     m = rule.train_round(_model(), RoundInput(1, 3, {RELATION_MATRIX: target, RELATION_VALID: np.ones(3)})).metrics
     assert m["irm_loss"] > 0.0  # measured either way
-    assert m["train_loss"] == pytest.approx(m["ramp_weight"] * (m["consistency_loss"] + relation_weight * m["irm_loss"]),
-                                            rel=1e-5)
+    assert (m["pseudo_label_loss"] > 0.0) == (pseudo_label_weight > 0)
+    assert m["train_loss"] == pytest.approx(m["ramp_weight"] * (m["consistency_loss"] + relation_weight * m["irm_loss"]
+                                                                + pseudo_label_weight * m["pseudo_label_loss"]), rel=1e-5)
     with pytest.raises(ValueError, match="relation_weight"):
         _client(relation_weight=-1.0)
+    with pytest.raises(ValueError, match="pseudo_label_weight"):
+        _client(pseudo_label_weight=-1.0)
 
 
 def test_pseudo_label_loss_is_the_cross_entropy_of_the_reliable_predictions():
@@ -474,17 +478,3 @@ def test_pseudo_label_loss_is_the_cross_entropy_of_the_reliable_predictions():
     # multi-label: the reliable entry alone, BCE(sigmoid(ln 3) = 3/4, 1) = ln(4/3)
     assert float(pseudo_label_loss(torch.tensor([[0.0, math.log(3.0)]]), torch.tensor([[1.0, 1.0]]),
                                    torch.tensor([[False, True]]), multilabel=True)) == pytest.approx(math.log(4 / 3))
-
-
-@pytest.mark.parametrize("pseudo_label_weight", [0.0, 0.5])
-def test_pseudo_label_weight_adds_the_self_training_loss(tmp_path, pseudo_label_weight):
-    # per step: loss = lambda * (L_c + L_IRM + pseudo_label_weight * L_pseudo); the paper's rule has no L_pseudo
-    rule = _client(entropy_threshold=5.0, pseudo_label_weight=pseudo_label_weight)
-    rule.setup(_ctx(_site_data(labelled=False), tmp_path))
-    target = np.array([[0.98, 0.01, 0.01], [0.01, 0.98, 0.01], [0.01, 0.01, 0.98]])
-    m = rule.train_round(_model(), RoundInput(1, 3, {RELATION_MATRIX: target, RELATION_VALID: np.ones(3)})).metrics
-    assert (m["pseudo_label_loss"] > 0.0) == (pseudo_label_weight > 0)
-    assert m["train_loss"] == pytest.approx(
-        m["ramp_weight"] * (m["consistency_loss"] + m["irm_loss"] + pseudo_label_weight * m["pseudo_label_loss"]), rel=1e-5)
-    with pytest.raises(ValueError, match="pseudo_label_weight"):
-        _client(pseudo_label_weight=-1.0)
