@@ -62,7 +62,7 @@ nothing to match; the server's ``unlabelled_weight`` scales the unlabelled sites
 the weight average (eight unlabelled sites of ten otherwise outweigh the labelled ones four to one).
 The ``fedirm`` job ships 0.5 / 0.05. On HAM10000 (10 sites, 30 rounds, 3 seeds, test AUC, bench suites
 fedirm-ham and fedirm-ham-1l) the weight 0.05 was at or above 0.25 on every seed of both suites (2
-labelled sites: 0.921 +- 0.002 against 0.915 +- 0.006; 1 labelled site: 0.896 +- 0.002 against
+labelled sites: 0.921 +- 0.003 against 0.915 +- 0.006; 1 labelled site: 0.896 +- 0.002 against
 0.892 +- 0.006), with a higher F1, and the paper rule reached 0.904 +- 0.005 (2 labelled sites). It
 is also what the same recipe reaches on the labelled sites alone (0.921 +- 0.002 / 0.892 +- 0.006):
 at this scale the weight keeps the unlabelled sites from diluting the labelled ones, and nothing
