@@ -147,7 +147,6 @@ def apply_overrides(configs: Dict[str, dict], overrides: Sequence[str]) -> None:
             raise ValueError(f"--set '{key}': no such setting in the job's configs (nor an argument of its components)")
 
 
-
 # Components that refuse a job naming another runtime version than the installed fedpartial.
 RUNTIME_CHECKED = ("fedpartial.flare.executors.FedPartialExecutor", "fedpartial.flare.persistor.FedPartialPersistor")
 
