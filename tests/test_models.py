@@ -4,6 +4,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fedpartial.models import (FORMAT, ModelFileError, build_model, load_model_file, save_model_file,
                                save_weights_file)
@@ -69,6 +70,20 @@ def test_densenet_classifier_and_mc_dropout():
     with torch.no_grad():
         f, z = model(x)
     torch.testing.assert_close(z, f @ state[names[0]].T + state[names[1]])
+
+
+def test_densenet_upsamples_images_smaller_than_its_five_halvings():
+    """HAM10000's 28 px images reach DenseNet-121 as the same images at 32 px (bilinear); 64 px
+    images are passed through unchanged."""
+    torch.manual_seed(0)
+    model = build_model("densenet121", 2, 3).eval()
+    small = torch.rand(2, 3, 28, 28)
+    with torch.no_grad():
+        _, logits = model(small)
+        expected = model.fc(model.backbone(F.interpolate(small, size=(32, 32), mode="bilinear", align_corners=False)))
+        torch.testing.assert_close(logits, expected)
+        large = torch.rand(1, 3, 64, 64)
+        torch.testing.assert_close(model(large)[1], model.fc(model.backbone(large)))
 
 
 def test_unet_classifier_is_final_conv():

@@ -104,6 +104,8 @@ _FEDIRM_SUSPECTS = {"fedirm_relation_w0": ["rule_args.relation_weight=0.0"],
                     "fedirm_pseudo_balanced": ["rule_args.pseudo_label_weight=1.0", "rule_args.pseudo_label_balance=true"],
                     # too few rounds with the unlabelled sites (they join at 20 of 30)
                     "fedirm_join10": ["rule_args.unlabelled_start_round=10"]}
+# FedIRM's GPU profile: the paper's network (DenseNet-121 with MC dropout) at 64 px
+_FEDIRM_GPU = ["model.arch=densenet121", "model.arch_args={\"dropout\":0.2}", "num_rounds=100"]
 # FedMLP's Table 3: each part taken away in turn (missing-label detection, the warm-up's partial-class
 # loss, consistency with the global model); the paper's order is that each adds
 _FEDMLP_TABLE3 = {"fedmlp_no_mld": ["rule_args.use_mld=false"], "fedmlp_no_wpc": ["rule_args.use_wpc=false"],
@@ -171,9 +173,7 @@ SUITES: Dict[str, Suite] = {
                                overrides={"cpu": _CPU_CLS + _PREMISE_CPU[:-1] + ["rule_args.local_epochs=1"]}),
     "fedirm-ham": Suite("ham10000_28.npz", "semi-supervised", {"labelled_sites": 2}, 10, "fedirm", "fedavg",
                         "fedavg_full", metrics=["auc", "accuracy", "f1", "bacc"],
-                        overrides={"cpu": _CPU_CLS + ["num_rounds=30"],
-                                   "gpu": ["model.arch=densenet121", "model.arch_args={\"dropout\":0.2}",
-                                           "num_rounds=100"]},
+                        overrides={"cpu": _CPU_CLS + ["num_rounds=30"], "gpu": _FEDIRM_GPU},
                         # the method's own recipe on the labelled sites alone: the like-for-like lower bound
                         variants={"fedirm_labelled_only": ["rule_args.unlabelled_start_round=1000000"],
                                   # the job ships our rule (lowest-entropy half reliable, unlabelled
@@ -186,11 +186,12 @@ SUITES: Dict[str, Suite] = {
     # images); the baselines are run first and fedirm_labelled_only must sit clearly below fedavg_full.
     "fedirm-ham-1l": Suite("ham10000_28.npz", "semi-supervised", {"labelled_sites": 1}, 10, "fedirm", "fedavg",
                            "fedavg_full", metrics=["auc", "accuracy", "f1", "bacc"],
-                           overrides={"cpu": _CPU_CLS + ["num_rounds=30"]},
+                           overrides={"cpu": _CPU_CLS + ["num_rounds=30"], "gpu": _FEDIRM_GPU},
                            variants={"fedirm_labelled_only": ["rule_args.unlabelled_start_round=1000000"],
                                      "fedirm_paper": ["rule_args.reliable_fraction=0.0",
                                                       "rule_args.unlabelled_weight=1.0"],
-                                     **_FEDIRM_SUSPECTS}),
+                                     **_FEDIRM_SUSPECTS},
+                           datasets={"gpu": "ham10000_64.npz"}),
 }
 # The candidate rule for sparse lesions, run on both DSB2018 and the small-lesion suites: whole
 # missed lesions at 0.8, warm-up counted from the first lesion the model marks, and a correction

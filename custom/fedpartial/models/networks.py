@@ -202,7 +202,15 @@ class DenseNet121(FedModel):
     def classifier_module(self) -> nn.Module:
         return self.fc
 
+    # DenseNet-121 halves its input five times: smaller images are upsampled to this side first
+    # (HAM10000's 28 px file would leave nothing to pool).
+    MIN_SIDE = 32
+
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        h, w = x.shape[-2:]
+        if min(h, w) < self.MIN_SIDE:
+            x = F.interpolate(x, size=(max(h, self.MIN_SIDE), max(w, self.MIN_SIDE)), mode="bilinear",
+                              align_corners=False)
         features = self.backbone(x)  # features -> relu -> pool -> flatten -> (Identity)
         return features, self.fc(self.dropout(features))
 
