@@ -408,9 +408,8 @@ _SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 @pytest.mark.skipif(not _SHARED.is_dir(), reason=f"real data folder {_SHARED} is absent")
 @pytest.mark.parametrize("name", sorted(bench_suites.SUITES))
 def test_every_profile_builds_a_model_that_runs_on_its_data(name):
-    """Each profile's settings (the GPU one has never run here) give every job of the suite a model
-    that takes the profile's data at its image size: e.g. DenseNet-121 needs HAM10000 at 64 px,
-    not 28 (its 5 halvings leave nothing of 28 px)."""
+    """Each profile's settings (the GPU one does not run in CI) give every job of the suite a model
+    that takes the profile's data at its image size (e.g. DenseNet-121 on HAM10000 at 64 px)."""
     import torch
 
     from fedpartial.flare.common import build_model_from_settings, model_settings
