@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext, SiteUpdate
-from fedpartial.algorithms.fedirm import (pseudo_label_loss, RELATION_COUNTS, RELATION_MATRIX, RELATION_MULTILABEL, RELATION_VALID,
+from fedpartial.algorithms.fedirm import (RELATION_COUNTS, RELATION_MATRIX, RELATION_MULTILABEL, RELATION_VALID,
                                           TEACHER_FILE, FedIRMClient, FedIRMServer, average_relation_matrices,
-                                          consistency_loss, mc_dropout_probabilities, ramp_weight, relation_matrix,
-                                          reliable_lowest_entropy, reliable_lowest_entropy_per_class, reliable_mask,
-                                          symmetric_kl)
+                                          consistency_loss, mc_dropout_probabilities, pseudo_label_loss, ramp_weight,
+                                          relation_matrix, reliable_lowest_entropy, reliable_lowest_entropy_per_class,
+                                          reliable_mask, symmetric_kl)
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, Dataset, Split
 from fedpartial.models import build_model
 
