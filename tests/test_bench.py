@@ -459,6 +459,27 @@ def test_reports_list_suites_in_suite_order_whatever_the_row_order():
     assert bench_suites.suites_of(rows) == ["fedlsm-ham", "fedirm-ham", "fedia-dsb-m2"]
 
 
+def test_rows_from_before_a_suite_scored_a_metric_show_a_dash(tmp_path):
+    """A results.csv written before fedirm-ham scored best_global_model.pt (no auc_best / f1_best
+    column), appended to by a run that scores it: the old rows show "–", the new ones their values."""
+    old = _rows("fedirm-ham", [0], jobs=["fedavg", "fedavg_full", "fedirm"])
+    for r in old:
+        del r["auc_best"], r["f1_best"]
+    bench_report.write_reports(old, str(tmp_path))
+    rows = bench_report.read_rows(str(tmp_path / "results.csv"))
+    new = _rows("fedirm-ham", [1], jobs=["fedavg", "fedavg_full", "fedirm"])
+    for r in new:
+        r["auc_best"] = {"fedavg": 0.8, "fedavg_full": 0.9, "fedirm": 0.86}[r["method"]]
+    md = bench_report.write_reports(rows + new, str(tmp_path))
+    head = next(line for line in md.splitlines() if line.startswith("| job"))
+    fedirm = next(line for line in md.splitlines() if line.startswith("| fedirm |"))
+    column = head.split(" | ").index("auc_best")
+    assert fedirm.split(" | ")[column] == "0.860"  # seed 1 only: seed 0 never scored it
+    fedirm_best = {r["seed"]: r["auc_best"] for r in bench_report.read_rows(str(tmp_path / "results.csv"))
+                   if r["method"] == "fedirm"}
+    assert fedirm_best == {0: "", 1: pytest.approx(0.86)}  # the old row's cell stays empty
+
+
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_every_baseline_runs_with_its_methods_model_and_recipe(profile):
     """A row compares rules: in every suite each baseline gets the method's network, image size,

@@ -40,7 +40,8 @@ def add_gap_columns(rows: List[dict]) -> None:
         same = {r["method"]: r for r in rows if r["suite"] == row["suite"] and r["seed"] == row["seed"]}
         lo, up = same.get(suite.lower), same.get(suite.upper)
         for k in suite.metrics:
-            row[f"gap_{k}"] = gap_closed(row[k], lo[k], up[k]) if lo and up else float("nan")
+            row[f"gap_{k}"] = (gap_closed(_value(row, k), _value(lo, k), _value(up, k)) if lo and up
+                               else float("nan"))
 
 
 def write_reports(rows: List[dict], out_dir: str) -> str:
@@ -60,6 +61,12 @@ def write_reports(rows: List[dict], out_dir: str) -> str:
     except Exception as e:  # plots are a convenience; the numbers are in the CSV
         print(f"warning: plotting failed: {e}")
     return md
+
+
+def _value(row: dict, key: str) -> float:
+    """A row's metric, NaN where the row lacks it (a row measured before the suite scored it)."""
+    value = row.get(key)
+    return float("nan") if value is None or value == "" else float(value)
 
 
 def _fmt(values: List[float], digits: int = 3) -> str:
@@ -89,7 +96,7 @@ def suite_table(name: str, rows: List[dict]) -> str:
         jr = [r for r in sub if r["method"] == job]
         if not jr:
             continue
-        cells = [job] + [_fmt([r[k] for r in jr]) for k in suite.metrics]
+        cells = [job] + [_fmt([_value(r, k) for r in jr]) for k in suite.metrics]
         cells += [_fmt([r.get(f"gap_{k}") for r in jr]) for k in suite.metrics[:2]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
