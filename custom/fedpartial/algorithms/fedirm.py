@@ -68,7 +68,7 @@ is also what the same recipe reaches on the labelled sites alone (0.921 +- 0.002
 at this scale the weight keeps the unlabelled sites from diluting the labelled ones, and nothing
 here makes them add to them (docs/RESULTS.md). At the paper's 100 rounds they hold back the labelled
 sites' overfitting (two labelled sites: 0.918 +- 0.007 against 0.913 +- 0.006, above on every seed),
-but every model is below its 30-round figure, so the jobs keep 30.
+but FedIRM is below its 30-round figure and no better than FedAvg, so the jobs keep 30.
 ``relation_weight`` (1, the paper) scales L_IRM alone, ``pseudo_label_weight`` (0, the paper) adds
 self-training on the reliable pseudo labels (:func:`pseudo_label_loss`), ``reliable_per_class``
 takes the reliable share per predicted class: the ablations of "the unlabelled sites do not help"
