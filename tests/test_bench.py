@@ -462,7 +462,7 @@ def test_reports_list_suites_in_suite_order_whatever_the_row_order():
 def test_rows_from_before_a_suite_scored_a_metric_show_a_dash(tmp_path):
     """A results.csv written before fedirm-ham scored best_global_model.pt (no auc_best / f1_best
     column), appended to by a run that scores it: the old rows show "–", the new ones their values."""
-    old = _rows("fedirm-ham", [0], jobs=["fedavg", "fedavg_full", "fedirm"])
+    old = _rows("fedirm-ham", [0], jobs=["fedavg", "fedavg_full", "fedirm", "fedirm_labelled_only"])
     for r in old:
         del r["auc_best"], r["f1_best"]
     bench_report.write_reports(old, str(tmp_path))
@@ -475,6 +475,8 @@ def test_rows_from_before_a_suite_scored_a_metric_show_a_dash(tmp_path):
     fedirm = next(line for line in md.splitlines() if line.startswith("| fedirm |"))
     column = head.split(" | ").index("auc_best")
     assert fedirm.split(" | ")[column] == "0.860"  # seed 1 only: seed 0 never scored it
+    alone = next(line for line in md.splitlines() if line.startswith("| fedirm_labelled_only |"))
+    assert alone.split(" | ")[column] == "–" and alone.split(" | ")[1] == "0.500"  # old rows only
     fedirm_best = {r["seed"]: r["auc_best"] for r in bench_report.read_rows(str(tmp_path / "results.csv"))
                    if r["method"] == "fedirm"}
     assert fedirm_best == {0: "", 1: pytest.approx(0.86)}  # the old row's cell stays empty
