@@ -11,7 +11,8 @@ from fedpartial.algorithms.fedmlp import (FedMLPClient, FedMLPServer, average_pr
                                           consistency_loss, global_learning_degree, learning_degree, logit_adjustment,
                                           loss_entries, positive_rates, positive_tag_budget, prototype_scores,
                                           select_tags, wpc_loss, class_prevalence, prior_rates, prototype_sources,
-                                          warmup_complete, PAPER_CLIENT, PAPER_SERVER, RELEASED_CODE_CLIENT)
+                                          warmup_complete, check_positive_tags, positive_tag_gate, PAPER_CLIENT,
+                                          PAPER_SERVER, RELEASED_CODE_CLIENT)
 from fedpartial.algorithms import fedmlp
 from fedpartial.data.types import DataError, Dataset, Split
 from fedpartial.models import build_model
@@ -592,3 +593,92 @@ def test_one_backward_per_view_gives_the_gradient_of_the_views_mean_loss(tmp_pat
     optimizer.step()
     for (name, got), want in zip(model.state_dict().items(), expected.state_dict().values()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_check_tags_run_the_rank_rule_on_held_out_annotated_entries_hand_worked():
+    # class 0 annotated on rows 0-4 (row 5 not annotated: never checked); class 1 has no valid prototype
+    z = np.array([[-0.5, -1.0], [-0.2, -1.0], [0.3, -1.0], [-0.1, -1.0], [-0.4, -1.0], [-0.9, -1.0]])
+    labels = np.array([[1, 1], [0, 1], [0, 1], [1, 1], [0, 1], [1, 1]], dtype=np.float32)
+    mask = np.array([[1, 1]] * 5 + [[0, 1]], dtype=bool)
+    valid = np.array([True, False])
+    # Z < 0 among rows 0-4: rows 0 (-0.5), 4 (-0.4), 1 (-0.2), 3 (-0.1); floor(0.5 * 4) = 2 -> rows 0, 4: 1 positive
+    hits, count = check_positive_tags(z, labels, mask, [0.5, 0.5], valid, min_samples=1)
+    assert hits.tolist() == [1.0, 0.0] and count.tolist() == [2.0, 0.0]
+    # at least 3 check tags: rows 0, 4, 1 -> still 1 positive of 3
+    hits, count = check_positive_tags(z, labels, mask, [0.5, 0.5], valid, min_samples=3)
+    assert hits.tolist() == [1.0, 0.0] and count.tolist() == [3.0, 0.0]
+    # at least 10, but only 4 entries have Z < 0: all 4, 2 positives; tau 0 still checks min_samples
+    hits, count = check_positive_tags(z, labels, mask, 0.0, valid, min_samples=10)
+    assert hits.tolist() == [2.0, 0.0] and count.tolist() == [4.0, 0.0]
+
+
+def test_positive_tag_gate_pools_the_sites_checks():
+    # class 0: (3 + 1) / (4 + 1) = 0.8 >= 0.7 open; class 1: 2 / 5 = 0.4 closed; class 2: no check tag, closed
+    open_pos, precision = positive_tag_gate([np.array([3, 0, 0]), np.array([1, 2, 0])],
+                                            [np.array([4, 0, 0]), np.array([1, 5, 0])], 0.7)
+    assert open_pos.tolist() == [True, False, False]
+    np.testing.assert_allclose(precision, [0.8, 0.4, -1.0])
+    assert positive_tag_gate([np.array([2.0])], [np.array([5.0])], 0.4)[0].tolist() == [True]  # 0.4 >= 0.4
+
+
+def test_server_gate_opens_classes_whose_check_tags_are_precise():
+    updates = _three_sites()
+    ctx = _server_ctx()
+    _, gs = FedMLPServer(positive_tag_gate=0.7).aggregate(updates, ctx)
+    # no site checked yet (the round before stage 2): every class closed
+    assert gs["positive_tag_gate"] == 0.7 and gs["positive_tag_open"].tolist() == [False, False, False]
+    updates[0].stats.update(tag_check_hits=np.array([3.0, 0, 0]), tag_check_count=np.array([4.0, 0, 0]))
+    updates[1].stats.update(tag_check_hits=np.array([1.0, 2, 0]), tag_check_count=np.array([1.0, 5, 0]))
+    ctx = _server_ctx()
+    server = FedMLPServer(positive_tag_gate=0.7)
+    for u in updates:
+        server.check_stats(u, ctx)
+    _, gs = server.aggregate(updates, ctx)
+    assert gs["positive_tag_open"].tolist() == [True, False, False]
+    assert ctx.report["tag_check_precision"] == [0.8, 0.4, -1.0] and ctx.report["positive_tag_open"] == [1, 0, 0]
+    _, gs = FedMLPServer().aggregate(updates, _server_ctx())  # paper: no gate, nothing sent
+    assert "positive_tag_open" not in gs and "positive_tag_gate" not in gs
+    bad = SiteUpdate("site-A", {}, 10, {"tag_check_hits": np.array([2.0, 0, 0]),
+                                        "tag_check_count": np.array([1.0, 0, 0])})
+    with pytest.raises(ValueError, match="site-A.*exceeds"):
+        server.check_stats(bad, _server_ctx())
+    bad.stats = {"tag_check_hits": np.array([1.0, 0, 0])}
+    with pytest.raises(ValueError, match="without 'tag_check_count'"):
+        server.check_stats(bad, _server_ctx())
+    with pytest.raises(ValueError, match="positive_tag_gate"):
+        FedMLPServer(positive_tag_gate=1.5)
+
+
+def test_client_tags_positives_only_for_open_classes_and_checks_on_its_validation_split(tmp_path):
+    data, reference = _site_data(annotated=(0,))
+    train = data.splits["train"]
+    # validation: the first 20 training images, class 0 annotated (the check reads it), 1-2 not
+    val_mask = np.zeros((20, C), dtype=bool)
+    val_mask[:, 0] = True
+    data.splits["val"] = Split(train.images[:20], reference.splits["train"].labels[:20] * val_mask, val_mask)
+    client = _client(warmup_rounds=1, tag_check_samples=4)
+    client.setup(_ctx(tmp_path, data, reference))
+    model = _model()
+    gs = _handmade_global_stats(model, client)
+    gs.update(positive_tag_gate=0.7, positive_tag_open=np.array([True, True, False]))
+    _, feats = predict(model, client.images, torch.device("cpu"), with_features=True)
+    z = prototype_scores(feats, torch.as_tensor(gs["prototypes_neg"]), torch.as_tensor(gs["prototypes_pos"]))
+    hits, count = check_positive_tags(z.numpy()[:20], data.splits["val"].labels, val_mask, gs["tau1"],
+                                      gs["prototype_valid"], 4)
+    r = client.train_round(model, RoundInput(round=1, num_rounds=3, global_stats=gs))
+    n_neg_z = int((z[:, 1] < 0).sum())
+    assert r.metrics["tags_new_pos_c1"] == n_neg_z // 2  # open: floor(0.5 * #Z<0)
+    assert r.metrics["tags_new_pos_c2"] == 0 and r.metrics["tags_new_neg_c2"] > 0  # closed: negatives only
+    n_val = int((z[:20, 0] < 0).sum())
+    assert count.tolist() == [max(n_val // 2, min(4, n_val)), 0, 0] and count[0] > 0  # only class 0 is checked
+    np.testing.assert_array_equal(r.stats["tag_check_hits"], hits)
+    np.testing.assert_array_equal(r.stats["tag_check_count"], count)
+    FedMLPServer(positive_tag_gate=0.7).check_stats(SiteUpdate("site-1", {}, N, r.stats),
+                                                    ServerContext(1, 3, ["fc.weight", "fc.bias"]))
+    del gs["positive_tag_gate"], gs["positive_tag_open"]  # no gate: no check sent, every class tagged
+    ungated = _client(warmup_rounds=1)
+    ungated.setup(_ctx(tmp_path / "ungated", data))
+    r = ungated.train_round(_model(), RoundInput(round=1, num_rounds=3, global_stats=gs))
+    assert "tag_check_count" not in r.stats and r.metrics["tags_new_pos_c2"] == n_neg_z // 2
+    with pytest.raises(ValueError, match="tag_check_samples"):
+        _client(tag_check_samples=0)

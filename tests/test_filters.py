@@ -69,6 +69,18 @@ def test_min_count_withholds_fedmlp_prototypes_below_k():
     FedMLPServer().check_stats(SiteUpdate("site-1", GLOBAL, 7, out), _server_ctx())
 
 
+def test_min_count_withholds_a_fedmlp_tag_check_from_fewer_than_k_images():
+    stats = {**_fedmlp_stats(), "tag_check_hits": np.array([3.0, 2.0, 0.0]),
+             "tag_check_count": np.array([4.0, 10.0, 0.0])}
+    out, report = filter_statistics(stats, min_count=5, **_preset("fedmlp"))
+    # class 0's check ranked 4 images (< 5): withheld, so the server counts no check for it
+    np.testing.assert_array_equal(out["tag_check_count"], [0, 10, 0])
+    np.testing.assert_array_equal(out["tag_check_hits"], [0, 2, 0])
+    assert report["withheld"]["tag_check_hits"] == 1
+    from fedpartial.algorithms.fedmlp import FedMLPServer
+    FedMLPServer(positive_tag_gate=0.7).check_stats(SiteUpdate("site-1", GLOBAL, 7, out), _server_ctx())
+
+
 def _preset(name):
     from fedpartial.flare.filters import PRESETS
     p = PRESETS[name]

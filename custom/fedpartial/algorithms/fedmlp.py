@@ -56,6 +56,14 @@ entries count as negatives with that weight in the WPC term, as FedAvg on partia
 them. On CT-ICH both lost AUC to the paper rule on every seed (docs/RESULTS.md); the jobs keep
 them off.
 
+Option beyond the paper (``positive_tag_gate`` on the server, 0 = off in the paper setting): the
+rank rule tags whatever clears its share, right or not, and tags are permanent. With the gate, each
+annotating site runs the same rank rule on its validation entries of the classes it annotates
+(:func:`check_positive_tags`: images the model never trained that class on, as a missing site's
+are) and sends how many of these check tags are positives; the server pools them per class and
+lets the sites tag class c positive in the next round only where they are at least
+``positive_tag_gate`` precise (:func:`positive_tag_gate`). Negative tags are not gated.
+
 Departures from the paper:
     * The WPC loss is a mean over the entries used (annotated + tagged) in the batch, not the
       paper's sum / C: its denominator grows as MLD tags entries, so a tag does not raise the loss
@@ -81,6 +89,7 @@ option                             paper                             released co
 ``positive_tag_cap``               ``none``                          ours: ``prevalence``
 ``classifier_rows`` (server)       ``fedavg``                        ours: ``annotated``
 ``assumed_negative_weight``        0                                 ours: up to 1
+``positive_tag_gate`` (server)     0 (no gate)                       ours: 0.7
 =================================  ================================  ==================================
 """
 from __future__ import annotations
@@ -121,7 +130,7 @@ LA_PRIORS = ("local", "annotated_frequency")
 PAPER_CLIENT = {"warmup_end": "rounds", "cr_in_warmup": False, "la_prior": "local", "positive_tag_cap": "none",
                 "assumed_negative_weight": 0.0}
 PAPER_SERVER = {"t0": 0.005, "t1": 0.01, "warmup_end": "rounds", "classifier_rows": "fedavg",
-                "min_prototype_samples": 1}
+                "min_prototype_samples": 1, "positive_tag_gate": 0.0}
 #: Where the released code (github.com/szbonaldo/FedMLP) differs from the paper and we offer its choice
 RELEASED_CODE_CLIENT = {"cr_in_warmup": True}
 
@@ -140,12 +149,14 @@ UNTAGGED = -1
 #: Class prototypes ``(C, D)`` behind their sample counts ``(C,)``; learning degrees in [0, 1].
 SENT_STATISTICS = {
     "fedmlp": {"keys": ["prototypes_pos", "prototypes_neg", "prototype_counts_pos", "prototype_counts_neg",
-                        "learning_degree", "annotated", "annotated_classes"],
+                        "learning_degree", "annotated", "annotated_classes", "tag_check_hits", "tag_check_count"],
                "signature": ["prototypes_pos", "prototypes_neg", "prototype_counts_pos", "prototype_counts_neg"],
                "guards": {"prototypes_pos": "prototype_counts_pos", "prototype_counts_pos": "prototype_counts_pos",
-                          "prototypes_neg": "prototype_counts_neg", "prototype_counts_neg": "prototype_counts_neg"},
+                          "prototypes_neg": "prototype_counts_neg", "prototype_counts_neg": "prototype_counts_neg",
+                          "tag_check_hits": "tag_check_count", "tag_check_count": "tag_check_count"},
                "clip": {"prototype_counts_pos": [0, math.inf], "prototype_counts_neg": [0, math.inf],
-                        "learning_degree": [0, 1]}},
+                        "learning_degree": [0, 1], "tag_check_hits": [0, math.inf],
+                        "tag_check_count": [0, math.inf]}},
 }
 
 
@@ -499,6 +510,59 @@ def loss_entries(labels: np.ndarray, label_mask: np.ndarray, tags: np.ndarray, a
     return targets, weights, untagged_missing.astype(np.float32)
 
 
+def check_positive_tags(z: np.ndarray, labels: np.ndarray, label_mask: np.ndarray, tau_pos, valid: np.ndarray,
+                        min_samples: int = 10) -> Tuple[np.ndarray, np.ndarray]:
+    """The positive-tag check of an annotating site: Eq. 9's rank rule run on its held-out
+    (validation) entries of the classes it annotates, scored against their labels.
+
+    Among the entries of class c with Z < 0, the ``max(floor(tau_pos[c] * count), min(min_samples,
+    count))`` with the smallest Z are the check tags: as many as a site missing c would tag, and at
+    least ``min_samples`` so that a precision can be read from them (deeper in the ranking, where
+    tags are no more precise than at its top).
+
+    Args:
+        z: ``(N, C)`` scores from :func:`prototype_scores` of the validation images.
+        labels: ``(N, C)`` 0/1.
+        label_mask: ``(N, C)`` bool, the annotated entries of the classes the site annotates.
+        tau_pos: ``(C,)`` or scalar fraction tau1.
+        valid: ``(C,)`` bool, classes with a valid global prototype pair.
+        min_samples: least number of check tags per class (where that many entries have Z < 0).
+
+    Returns:
+        ``(hits (C,), count (C,))``: how many check tags are positives, how many there are.
+    """
+    z = np.asarray(z, dtype=np.float64)
+    labels = np.asarray(labels) > 0.5
+    tau_pos = np.broadcast_to(np.asarray(tau_pos, dtype=np.float64), (z.shape[1],))
+    hits, count = np.zeros(z.shape[1]), np.zeros(z.shape[1])
+    for j in np.flatnonzero(np.asarray(valid, dtype=bool)):
+        rows = np.flatnonzero(np.asarray(label_mask[:, j], dtype=bool) & (z[:, j] < 0))
+        k = max(int(np.floor(tau_pos[j] * len(rows) + 1e-9)), min(int(min_samples), len(rows)))
+        chosen = rows[np.argsort(z[rows, j], kind="stable")[:k]]
+        hits[j], count[j] = float(labels[chosen, j].sum()), float(len(chosen))
+    return hits, count
+
+
+def positive_tag_gate(hits: List[np.ndarray], counts: List[np.ndarray], gate: float
+                      ) -> Tuple[np.ndarray, np.ndarray]:
+    """Which classes the sites may tag positive next round: those whose check tags at the
+    annotating sites (:func:`check_positive_tags`, pooled over sites) are at least ``gate``
+    precise. A class without any check tag stays closed: nothing shows its tags would be right.
+
+    Args:
+        hits: per site ``(C,)`` check tags that are positives (0 where the site sent none).
+        counts: per site ``(C,)`` check tags.
+        gate: least pooled precision (0..1).
+
+    Returns:
+        ``(open (C,) bool, precision (C,))``; precision is -1 where no site made a check tag.
+    """
+    total_hits = np.sum([np.asarray(h, dtype=np.float64) for h in hits], axis=0)
+    total = np.sum([np.asarray(n, dtype=np.float64) for n in counts], axis=0)
+    precision = np.where(total > 0, total_hits / np.maximum(total, 1.0), -1.0)
+    return (total > 0) & (precision >= float(gate)), precision
+
+
 # ----------------------------------------------------------------------------------------------
 # Persistent tags
 # ----------------------------------------------------------------------------------------------
@@ -571,6 +635,10 @@ class FedMLPClient(ClientRule):
         la_prior: ``local`` (paper Eq. 3: positive rate of the entries the loss uses, tags
             included) or ``annotated_frequency`` (a class the site does not annotate takes its
             annotated frequency at the annotating sites, see :func:`prior_rates`).
+        tag_check_samples: when the server gates positive tags (its ``positive_tag_gate``), the
+            least number of validation entries per annotated class this site's check ranks
+            (:func:`check_positive_tags`); a site's privacy filter withholds a check from fewer
+            than its ``min_count`` entries.
     """
 
     task_kind = "classification"
@@ -582,7 +650,7 @@ class FedMLPClient(ClientRule):
                  use_cr: bool = True, use_adaptive_threshold: bool = True, prediction_batch_size: int = 256,
                  positive_tag_cap: str = "none", positive_tag_scale: float = 1.0,
                  assumed_negative_weight: float = 0.0, warmup_end: str = "rounds", min_warmup_rounds: int = 1,
-                 cr_in_warmup: bool = False, la_prior: str = "local"):
+                 cr_in_warmup: bool = False, la_prior: str = "local", tag_check_samples: int = 10):
         if int(warmup_rounds) < 1:
             raise ValueError(f"FedMLP warmup_rounds must be >= 1 (prototypes come from a warmed-up model), "
                              f"got {warmup_rounds}")
@@ -618,6 +686,9 @@ class FedMLPClient(ClientRule):
             raise ValueError(f"FedMLP la_prior '{la_prior}' unknown; choose one of {LA_PRIORS}")
         self.warmup_end, self.min_warmup_rounds = warmup_end, int(min_warmup_rounds)
         self.cr_in_warmup, self.la_prior = bool(cr_in_warmup), la_prior
+        if int(tag_check_samples) < 1:
+            raise ValueError(f"FedMLP tag_check_samples must be >= 1, got {tag_check_samples}")
+        self.tag_check_samples = int(tag_check_samples)
 
     # -- set-up and persistent state -------------------------------------------------------------
     def setup(self, ctx) -> None:
@@ -642,6 +713,14 @@ class FedMLPClient(ClientRule):
         else:
             self.tags = np.full(self.mask_np.shape, UNTAGGED, dtype=np.int8)
             self.last_tag_round = -1
+        self.tag_check: Dict[str, np.ndarray] = {}
+        val = data.splits.get("val")
+        self.val_images, self.val_labels, self.val_mask = None, None, None
+        if val is not None and len(val.labels) > 0:  # the positive-tag check's held-out entries
+            self.val_images = ImageSource(val.images, ctx.normalisation)
+            self.val_labels = np.asarray(val.labels, dtype=np.float32)
+            known = np.ones(self.val_labels.shape, bool) if val.label_mask is None else np.asarray(val.label_mask, bool)
+            self.val_mask = known & self.annotated[None, :]
         if not self.annotated.any():
             ctx.log(f"FedMLP: site '{ctx.site}' annotates no class; it trains with consistency only")
 
@@ -673,10 +752,14 @@ class FedMLPClient(ClientRule):
 
     def _tag(self, model, inp: RoundInput) -> Tuple[np.ndarray, np.ndarray]:
         """Tag new entries for this round (once per round, also across restarts). Returns per-class
-        counts of new negative and positive tags."""
+        counts of new negative and positive tags. When the server gates positive tags
+        (``positive_tag_gate`` in its statistics), also runs :func:`check_positive_tags` on the
+        annotated classes of its validation split and keeps its counts in ``self.tag_check`` for
+        this round's statistics."""
         c = self.mask_np.shape[1]
         zeros = (np.zeros(c, dtype=np.int64), np.zeros(c, dtype=np.int64))
         gs = inp.global_stats or {}
+        self.tag_check = {}
         if inp.round <= self.last_tag_round:
             return zeros  # this round's tags were already drawn before a restart
         if "prototypes_neg" not in gs:
@@ -684,11 +767,16 @@ class FedMLPClient(ClientRule):
             return zeros
         valid = np.asarray(gs["prototype_valid"], dtype=bool)
         candidate = ~self.mask_np & (self.tags == UNTAGGED) & valid[None, :]
+        gated = float(gs.get("positive_tag_gate", 0.0)) > 0
+        open_pos = np.asarray(gs.get("positive_tag_open", np.ones(c, dtype=bool)), dtype=bool)
+        tau0, tau1 = self._thresholds(gs, c)
+        if gated:
+            self._check(model, gs, tau1, valid)
+            tau1 = np.where(open_pos, tau1, 0.0)
         if candidate.any():
             _, feats = self.images.predict(model, self.ctx.device, self.prediction_batch_size, with_features=True)
             z = prototype_scores(feats, torch.as_tensor(np.asarray(gs["prototypes_neg"])),
                                  torch.as_tensor(np.asarray(gs["prototypes_pos"])))
-            tau0, tau1 = self._thresholds(gs, c)
             max_pos = None
             if self.positive_tag_cap == "prevalence" and "prevalence" in gs:
                 max_pos = positive_tag_budget(np.asarray(gs["prevalence"], dtype=np.float64), self.mask_np.shape[0],
@@ -702,6 +790,18 @@ class FedMLPClient(ClientRule):
         self.last_tag_round = inp.round
         save_tags(self.tags_path, self.tags, self.last_tag_round, self.mask_np)
         return new_neg.sum(0), new_pos.sum(0)
+
+    def _check(self, model, gs: Dict, tau1: np.ndarray, valid: np.ndarray) -> None:
+        """This round's positive-tag check on the validation split (:func:`check_positive_tags`),
+        kept in ``self.tag_check`` for the round's statistics."""
+        if self.val_images is None or not self.val_mask.any():
+            return  # nothing held out to check on: the server counts no check tag from this site
+        _, feats = self.val_images.predict(model, self.ctx.device, self.prediction_batch_size, with_features=True)
+        z = prototype_scores(feats, torch.as_tensor(np.asarray(gs["prototypes_neg"])),
+                             torch.as_tensor(np.asarray(gs["prototypes_pos"])))
+        hits, count = check_positive_tags(z.numpy(), self.val_labels, self.val_mask, tau1, valid,
+                                          self.tag_check_samples)
+        self.tag_check = {"tag_check_hits": hits, "tag_check_count": count}
 
     def _tag_quality(self) -> Dict[str, float]:
         """Precision / recall of all tags so far against the hidden complete labels (diagnostics
@@ -740,6 +840,7 @@ class FedMLPClient(ClientRule):
         metrics: Dict[str, float] = {"stage": float(stage)}
 
         new_neg = new_pos = np.zeros(c, dtype=np.int64)
+        self.tag_check = {}
         if stage == 2:  # shows that the server's prototypes came back (0 = none received)
             valid = (inp.global_stats or {}).get("prototype_valid")
             metrics["global_prototypes_valid"] = 0.0 if valid is None else float(np.asarray(valid, dtype=bool).sum())
@@ -807,6 +908,8 @@ class FedMLPClient(ClientRule):
             metrics.update(self._tag_quality())
 
         stats = self.local_stats(model) if self.sends_stats(inp.round) else {}
+        if self.tag_check:
+            stats.update(self.tag_check)
         # every round (warm-up too): which classes this site's ground truth trains, for the
         # server's ``classifier_rows="annotated"``
         stats["annotated_classes"] = self.annotated.astype(np.float64)
@@ -844,12 +947,17 @@ class FedMLPServer(ServerRule):
             round whose statistics pass :func:`warmup_complete`, and kept). Set it as the clients'.
         warmup_degree: with ``learning_degree``, the global learning degree every annotated class
             must reach.
+        positive_tag_gate: 0 = off (paper). Otherwise the least precision the annotating sites'
+            check tags (:func:`check_positive_tags`) must show before any site tags that class
+            positive in the next round (:func:`positive_tag_gate`); checked every round, so a
+            class whose check falls below it stops getting positive tags.
     """
 
     needs_classifier_names = True
 
     def __init__(self, t0: float = 0.005, t1: float = 0.01, min_prototype_samples: int = 1,
-                 classifier_rows: str = "fedavg", warmup_end: str = "rounds", warmup_degree: float = 0.9):
+                 classifier_rows: str = "fedavg", warmup_end: str = "rounds", warmup_degree: float = 0.9,
+                 positive_tag_gate: float = 0.0):
         for name, v in (("t0", t0), ("t1", t1)):
             if not 0.0 <= float(v) <= 1.0:
                 raise ValueError(f"FedMLP {name} must be a fraction in [0, 1], got {v}")
@@ -864,6 +972,9 @@ class FedMLPServer(ServerRule):
         if not 0.0 <= float(warmup_degree) <= 1.0:
             raise ValueError(f"FedMLP warmup_degree must lie in [0, 1], got {warmup_degree}")
         self.warmup_end, self.warmup_degree = warmup_end, float(warmup_degree)
+        if not 0.0 <= float(positive_tag_gate) <= 1.0:
+            raise ValueError(f"FedMLP positive_tag_gate must lie in [0, 1], got {positive_tag_gate}")
+        self.positive_tag_gate = float(positive_tag_gate)
 
     @staticmethod
     def _expected_shape(ctx: ServerContext) -> Tuple[Optional[int], Optional[int]]:
@@ -886,6 +997,7 @@ class FedMLPServer(ServerRule):
                     not np.isin(flags, (0.0, 1.0)).all():
                 raise ValueError(f"FedMLP stat 'annotated_classes' from site '{update.site}' must hold one 0/1 "
                                  f"value per class ({exp_c}), got shape {flags.shape}")
+        self._check_tag_check(update, ctx)
         present = [k for k in STAT_KEYS if k in stats]
         if not present:
             return  # warm-up rounds send no statistics
@@ -916,6 +1028,28 @@ class FedMLPServer(ServerRule):
         deg = np.asarray(stats["learning_degree"], dtype=np.float64)
         if (deg < 0).any() or (deg > 1).any():
             raise ValueError(f"FedMLP stat 'learning_degree' from site '{update.site}' must lie in [0, 1]")
+
+    def _check_tag_check(self, update: SiteUpdate, ctx: ServerContext) -> None:
+        """The positive-tag check's counts (sent in stage 2 when the gate is on): both or neither,
+        one finite non-negative value per class, hits <= count."""
+        stats = update.stats or {}
+        keys = [k for k in ("tag_check_hits", "tag_check_count") if k in stats]
+        if not keys:
+            return
+        if len(keys) == 1:
+            other = "tag_check_count" if keys[0] == "tag_check_hits" else "tag_check_hits"
+            raise ValueError(f"FedMLP stats from site '{update.site}' hold '{keys[0]}' without '{other}'")
+        exp_c = self._expected_shape(ctx)[0]
+        hits = np.asarray(stats["tag_check_hits"], dtype=np.float64)
+        count = np.asarray(stats["tag_check_count"], dtype=np.float64)
+        for key, value in (("tag_check_hits", hits), ("tag_check_count", count)):
+            if value.ndim != 1 or (exp_c is not None and value.shape != (exp_c,)):
+                raise ValueError(f"FedMLP stat '{key}' from site '{update.site}' must hold one value per class "
+                                 f"({exp_c}), got shape {value.shape}")
+            if not np.isfinite(value).all() or (value < 0).any():
+                raise ValueError(f"FedMLP stat '{key}' from site '{update.site}' must be finite and >= 0")
+        if hits.shape != count.shape or (hits > count + 1e-9).any():
+            raise ValueError(f"FedMLP stat 'tag_check_hits' from site '{update.site}' exceeds 'tag_check_count'")
 
     def aggregate(self, updates: List[SiteUpdate], ctx: ServerContext):
         weights = average_weights(updates, ctx)
@@ -969,4 +1103,22 @@ class FedMLPServer(ServerRule):
             "tau0": degree * self.t0, "tau1": degree * self.t1, "t0": self.t0, "t1": self.t1,
             "prototype_sites": len(with_stats), "prevalence": prevalence,
         }
+        if self.positive_tag_gate > 0:
+            global_stats.update(self._gate(with_stats, len(valid), ctx))
         return weights, global_stats
+
+    def _gate(self, with_stats: List[SiteUpdate], num_classes: int, ctx: ServerContext) -> Dict:
+        """Next round's ``positive_tag_open`` from this round's check tags (closed before any)."""
+        checked = [u for u in with_stats if "tag_check_count" in u.stats]
+        hits = [np.asarray(u.stats["tag_check_hits"], dtype=np.float64) for u in checked] or [np.zeros(num_classes)]
+        counts = [np.asarray(u.stats["tag_check_count"], dtype=np.float64) for u in checked] or [np.zeros(num_classes)]
+        open_pos, precision = positive_tag_gate(hits, counts, self.positive_tag_gate)
+        ctx.report["tag_check_precision"] = [round(float(p), 4) for p in precision]
+        ctx.report["tag_check_count"] = [float(n) for n in np.sum(counts, axis=0)]
+        ctx.report["positive_tag_open"] = [int(o) for o in open_pos]
+        closed = [int(j) for j in np.flatnonzero(~open_pos)]
+        if closed:
+            ctx.log(f"FedMLP round {ctx.round}: positive tags closed next round for classes {closed} (check-tag "
+                    f"precision {[round(float(precision[j]), 3) for j in closed]} < {self.positive_tag_gate}, "
+                    "-1 = no check tag)")
+        return {"positive_tag_gate": self.positive_tag_gate, "positive_tag_open": open_pos}
