@@ -109,10 +109,10 @@ _FEDIRM_SUSPECTS = {"fedirm_relation_w0": ["rule_args.relation_weight=0.0"],
 _FEDIRM_METRICS = ["auc", "accuracy", "f1", "bacc", "auc_best", "f1_best"]
 # FedIRM's GPU profile: the paper's network (DenseNet-121 with MC dropout) at 64 px
 _FEDIRM_GPU = ["model.arch=densenet121", "model.arch_args={\"dropout\":0.2}", "num_rounds=100"]
-# FedMLP's Table 3: each part taken away in turn (missing-label detection, the warm-up's partial-class
-# loss, consistency with the global model); the paper's order is that each adds
 # positive tags only where the annotating sites' check tags are >= 70 % precise (ours, off in the paper)
 _FEDMLP_GATE = {"fedmlp_tag_gate": ["rule_args.positive_tag_gate=0.7"]}
+# FedMLP's Table 3: each part taken away in turn (missing-label detection, the warm-up's partial-class
+# loss, consistency with the global model); the paper's order is that each adds
 _FEDMLP_TABLE3 = {"fedmlp_no_mld": ["rule_args.use_mld=false"], "fedmlp_no_wpc": ["rule_args.use_wpc=false"],
                   "fedmlp_no_cr": ["rule_args.use_cr=false"]}
 SUITES: Dict[str, Suite] = {

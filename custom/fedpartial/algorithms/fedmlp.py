@@ -759,7 +759,6 @@ class FedMLPClient(ClientRule):
         c = self.mask_np.shape[1]
         zeros = (np.zeros(c, dtype=np.int64), np.zeros(c, dtype=np.int64))
         gs = inp.global_stats or {}
-        self.tag_check = {}
         if inp.round <= self.last_tag_round:
             return zeros  # this round's tags were already drawn before a restart
         if "prototypes_neg" not in gs:
