@@ -285,7 +285,7 @@ def prototype_scores(features: torch.Tensor, proto_neg: torch.Tensor, proto_pos:
     return f @ p0.T - f @ p1.T
 
 
-def select_tags(z: torch.Tensor, candidate: torch.Tensor, tau_neg, tau_pos, max_pos=None
+def select_tags(z: torch.Tensor, candidate: torch.Tensor, tau_neg, tau_pos, max_pos=None, min_pos: int = 0
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Rank-based tagging of paper Eq. 8-9, per class.
 
@@ -301,6 +301,8 @@ def select_tags(z: torch.Tensor, candidate: torch.Tensor, tau_neg, tau_pos, max_
         tau_pos: ``(C,)`` or scalar fraction tau1.
         max_pos: ``(C,)`` most new positives per class this round (None = no cap; see
             :func:`positive_tag_budget`).
+        min_pos: least new positives per class, where that many candidates have Z < 0 (the
+            positive-tag check's floor, :func:`check_positive_tags`; 0 = Eq. 9 alone).
 
     Returns:
         ``(new_neg, new_pos)`` bool ``(N, C)``.
@@ -316,7 +318,7 @@ def select_tags(z: torch.Tensor, candidate: torch.Tensor, tau_neg, tau_pos, max_
         nonneg = torch.nonzero(candidate[:, j] & (z[:, j] >= 0)).flatten()
         negative = torch.nonzero(candidate[:, j] & (z[:, j] < 0)).flatten()
         k0 = int(np.floor(float(tau_neg[j]) * len(nonneg) + 1e-9))
-        k1 = int(np.floor(float(tau_pos[j]) * len(negative) + 1e-9))
+        k1 = max(int(np.floor(float(tau_pos[j]) * len(negative) + 1e-9)), min(int(min_pos), len(negative)))
         if max_pos is not None:
             k1 = min(k1, max(int(max_pos[j]), 0))
         if k0 > 0:
@@ -531,16 +533,12 @@ def check_positive_tags(z: np.ndarray, labels: np.ndarray, label_mask: np.ndarra
     Returns:
         ``(hits (C,), count (C,))``: how many check tags are positives, how many there are.
     """
-    z = np.asarray(z, dtype=np.float64)
-    labels = np.asarray(labels) > 0.5
-    tau_pos = np.broadcast_to(np.asarray(tau_pos, dtype=np.float64), (z.shape[1],))
-    hits, count = np.zeros(z.shape[1]), np.zeros(z.shape[1])
-    for j in np.flatnonzero(np.asarray(valid, dtype=bool)):
-        rows = np.flatnonzero(np.asarray(label_mask[:, j], dtype=bool) & (z[:, j] < 0))
-        k = max(int(np.floor(tau_pos[j] * len(rows) + 1e-9)), min(int(min_samples), len(rows)))
-        chosen = rows[np.argsort(z[rows, j], kind="stable")[:k]]
-        hits[j], count[j] = float(labels[chosen, j].sum()), float(len(chosen))
-    return hits, count
+    candidate = np.asarray(label_mask, dtype=bool) & np.asarray(valid, dtype=bool)[None, :]
+    _, chosen = select_tags(torch.as_tensor(np.asarray(z, dtype=np.float64)), torch.from_numpy(candidate), 0.0,
+                            tau_pos, min_pos=min_samples)
+    chosen = chosen.numpy()
+    hits = (chosen & (np.asarray(labels) > 0.5)).sum(axis=0).astype(np.float64)
+    return hits, chosen.sum(axis=0).astype(np.float64)
 
 
 def positive_tag_gate(hits: List[np.ndarray], counts: List[np.ndarray], gate: float
