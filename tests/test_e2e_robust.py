@@ -26,7 +26,7 @@ def _attacked_job(dest: Path) -> Path:
     executor["path"] = "attacking_executor.AttackingExecutor"
     # named: --set rule_args.* looks up the rule of a component outside fedpartial only when named
     executor["args"].update(attack_site="site-3", claimed_samples=10 ** 6, scale=100.0,
-                            rule="fedpartial.algorithms.fedavg.SupervisedClient")
+                            rule="fedavg")
     (config / "config_fed_client.json").write_text(json.dumps(client, indent=2))
     server = json.loads((config / "config_fed_server.json").read_text())
     server["workflows"] = [w for w in server["workflows"] if w["id"] == "scatter_and_gather"]

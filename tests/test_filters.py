@@ -359,3 +359,10 @@ def test_presets_are_the_methods_own_declarations_and_consistent():
                                  "relation_multilabel": 1})
     assert names == ["fedirm_multilabel"] and merged["fill"] == {"relation_matrix": 0.5}
     assert auto_preset({"class_counts": np.ones(2)})[0] == ["fedlsm"]
+    # FedMLP's warm-up message is recognised only alone; FedLSM sends the same flags with its counts
+    assert auto_preset({"annotated_classes": np.ones(2)})[0] == ["fedmlp_warmup"]
+    assert auto_preset({"class_counts": np.ones(2), "annotated_classes": np.ones(2)})[0] == ["fedlsm"]
+    # no method: no key may leave (the keys are the recognised methods' only)
+    assert auto_preset({"learning_degree": np.ones(2), "annotated_classes": np.ones(2)}) == (
+        [], {"keys": [], "guards": {}, "fill": {}, "clip": {}, "normalise_rows": []})
+    assert auto_preset({"class_counts": np.ones(2)})[1]["keys"] == sorted(PRESETS["fedlsm"]["keys"])

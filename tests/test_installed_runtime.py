@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import fedpartial
+from fedpartial.flare.common import runtime_identity
 from fedpartial_tools import admin, processes, provision
 from fedpartial_tools.jobtools import package_job
 
@@ -33,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"),
               pytest.mark.xdist_group("deployment")]
 SITES = ["site-1", "site-2"]
+DATASET = "demo"  # the name each site's kit offers its site files under (local/fedpartial_site.json)
 OTHER_VERSION = "0.0.0.dev7"  # any version but the installed one
 # Loaded by every kit process: drops each source checkout (a folder holding fedpartial_tools, such as
 # the custom/ an editable install puts on sys.path) so only the installed wheel can provide fedpartial.
@@ -68,7 +70,8 @@ def system(tmp_path_factory):
         mp.setenv("TMPDIR", env["TMPDIR"])
         mp.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
         project = provision.localhost_project("fedpartial_rt", provision.free_port(), SITES,
-                                              site_policy={"allow_byoc": False})
+                                              site_policy={"allow_byoc": False,
+                                                           "datasets": {DATASET: str(data_root)}})
         prod = Path(provision.provision(provision.write_project(str(root / "project.yml"), project),
                                         str(root / "provision"), env=provision.kit_env(str(root))))
         server = prod / "localhost"
@@ -112,17 +115,17 @@ def test_job_without_code_runs_on_the_installed_runtime(system, tmp_path):
     from fedpartial.models.io import load_model_file
 
     job = Path(package_job(str(REPO / "jobs" / "fedavg"), str(tmp_path / "fedavg"), OVERRIDES,
-                           data_root=str(system["data_root"]), with_code=False))
+                           dataset=DATASET, with_code=False))
     assert not list(job.glob("*/custom")), "an installed-runtime job carries no code"
     client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
-    assert client["executors"][0]["executor"]["args"]["runtime_version"] == fedpartial.__version__
+    assert client["executors"][0]["executor"]["args"]["runtime_version"] == runtime_identity()
     result = _run(system, "lead", job, tmp_path / "download")
     assert result["status"] == "FINISHED:COMPLETED", f"job ended {result['status']}; log {result['server_log']}"
     _, meta = load_model_file(result["global_model"])
     assert list(meta["class_names"]) == CLASSES
     assert [r["round"] for r in json.loads(Path(result["metrics"]).read_text())["rounds"]] == [0]
     # every participant ran the wheel's code from the installed folder, not the repository's custom/
-    installed = f"fedpartial {fedpartial.__version__} from {system['runtime'] / 'fedpartial'}"
+    installed = f"fedpartial {runtime_identity()} from {system['runtime'] / 'fedpartial'}"
     assert installed in Path(result["server_log"]).read_text()
     for site in SITES:
         assert installed in _site_log(system, site, result["job_id"]), f"{site} did not run the installed runtime"
@@ -131,7 +134,7 @@ def test_job_without_code_runs_on_the_installed_runtime(system, tmp_path):
 @pytest.mark.slow
 def test_job_carrying_code_is_refused_by_the_sites(system, tmp_path):
     job = Path(package_job(str(REPO / "jobs" / "fedavg"), str(tmp_path / "fedavg_code"), OVERRIDES,
-                           data_root=str(system["data_root"]), with_code=True))
+                           dataset=DATASET, with_code=True))
     assert (job / "app" / "custom" / "fedpartial").is_dir()
     result = _run(system, "project_admin", job, tmp_path / "download")
     assert result["status"] == "FINISHED:FAILED_TO_RUN" and not result["global_model"]
@@ -151,7 +154,7 @@ def test_sites_refuse_a_job_for_another_runtime_version(system, tmp_path):
     from fedpartial_tools.jobtools import set_runtime_version
 
     job = Path(package_job(str(REPO / "jobs" / "fedavg"), str(tmp_path / "fedavg_other"), OVERRIDES,
-                           data_root=str(system["data_root"]), with_code=False))
+                           dataset=DATASET, with_code=False))
     client_file = job / "app" / "config" / "config_fed_client.json"
     client = json.loads(client_file.read_text())
     assert set_runtime_version({"client": client}, OTHER_VERSION) == 1
@@ -160,6 +163,6 @@ def test_sites_refuse_a_job_for_another_runtime_version(system, tmp_path):
     assert result["status"] == "FINISHED:EXECUTION_EXCEPTION" and not result["global_model"], result["status"]
     for site in SITES:
         assert (f"site set-up failed: the job needs fedpartial runtime {OTHER_VERSION} but site '{site}' has "
-                f"fedpartial {fedpartial.__version__} installed") in _site_log(system, site, result["job_id"])
+                f"fedpartial {runtime_identity()} installed") in _site_log(system, site, result["job_id"])
     # the server stopped the job on the first site's failed train task
     assert "peer_rc=EXECUTION_EXCEPTION, task_name=train" in Path(result["server_log"]).read_text()

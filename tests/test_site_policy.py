@@ -16,11 +16,13 @@ from nvflare.fuel.sec.authz import AuthzContext, Person
 from nvflare.security.security import FLAuthorizer
 
 import fedpartial
+from fedpartial.flare.common import runtime_identity
 from fedpartial_tools import provision
 from fedpartial_tools.jobtools import package_job
 
 REPO = Path(__file__).resolve().parents[1]
 VERSION = fedpartial.__version__
+IDENTITY = runtime_identity()  # version + content hash: what packaged jobs name
 
 
 def test_runtime_wheel_holds_the_runtime_package_only(tmp_path):
@@ -44,9 +46,9 @@ def test_packaged_jobs_name_the_runtime_version(tmp_path, with_code):
     assert (job / "app" / "custom").is_dir() == with_code
     client = json.loads((job / "app" / "config" / "config_fed_client.json").read_text())
     server = json.loads((job / "app" / "config" / "config_fed_server.json").read_text())
-    assert client["executors"][0]["executor"]["args"]["runtime_version"] == VERSION
+    assert client["executors"][0]["executor"]["args"]["runtime_version"] == IDENTITY
     versions = {c["path"]: c["args"].get("runtime_version") for c in server["components"]}
-    assert versions["fedpartial.flare.persistor.FedPartialPersistor"] == VERSION
+    assert versions["fedpartial.flare.persistor.FedPartialPersistor"] == IDENTITY
     assert versions["fedpartial.flare.aggregators.RuleAggregator"] is None  # the persistor checks for the server
 
 
@@ -56,19 +58,35 @@ def test_server_stops_a_job_for_another_runtime_version(tmp_path):
     model = {"arch": "small_cnn", "arch_args": {"width": 4}, "in_channels": 1, "class_names": ["a", "b"],
              "task": "multi-label"}
 
-    def start(version):
+    development, provisioned = tmp_path / "poc_server", tmp_path / "kit"
+    development.mkdir()
+    (provisioned / "local").mkdir(parents=True)
+    (provisioned / "local" / "fedpartial_site.json").write_text('{"format_version": 1, "datasets": {}}')
+
+    def start(version, root=development):
         fl_ctx = FLContext()
         engine = mock.MagicMock()
+        engine.get_workspace.return_value.get_root_dir.return_value = str(root)
         fl_ctx.set_prop("__engine__", engine, private=True, sticky=False)
         FedPartialPersistor(model, runtime_version=version).handle_event(EventType.START_RUN, fl_ctx)
         panics = [c for c in engine.fire_event.call_args_list if c.args[0] == EventType.FATAL_SYSTEM_ERROR]
         return panics, fl_ctx.get_prop(FLContextKey.EVENT_DATA)
 
-    for same in (VERSION, ""):  # the installed version, or a job that names none
+    # a development server takes the identity, the bare version, or a job that names none
+    for same in (IDENTITY, VERSION, ""):
         assert start(same) == ([], None)
+    assert start(IDENTITY, provisioned) == ([], None)
     panics, reason = start("9.9.9")
     assert len(panics) == 1
-    assert reason.startswith(f"the job needs fedpartial runtime 9.9.9 but the server has fedpartial {VERSION} installed")
+    assert reason.startswith(f"the job needs fedpartial runtime 9.9.9 but the server has fedpartial {IDENTITY} "
+                             f"installed")
+    # a provisioned server wants the content hash: a bare version or none is refused
+    for version, words in ((VERSION, f"needs fedpartial runtime {VERSION} but"), ("", "names no 'runtime_version'")):
+        panics, reason = start(version, provisioned)
+        assert len(panics) == 1 and words in reason, reason
+    other_code = VERSION + "+sha256.000000000000"  # same version, other files
+    panics, reason = start(other_code, provisioned)
+    assert len(panics) == 1 and other_code in reason
 
 
 def _provision(tmp_path, **policy):
@@ -91,24 +109,31 @@ def test_site_policy_allows_fedpartial_classes_and_no_byoc(tmp_path):
     privacy = tmp_path / "privacy.json"
     privacy.write_text(json.dumps({"scopes": [{"name": "public", "task_result_filters": []}],
                                    "default_scope": "public"}))
+    from fedpartial.flare.allowed import CLASS_ALLOW_LIST
+
     prod = _provision(tmp_path, allow_byoc=False, privacy_file=str(privacy))
     for kit in ("localhost", "site-1", "site-2"):
         local = prod / kit / "local"
         default = json.loads((local / "resources.json.default").read_text())
         written = json.loads((local / "resources.json").read_text())
-        # FLARE's defaults plus one package prefix; everything else (resource manager, job store) unchanged
-        assert written["class_allow_list"] == default["class_allow_list"] + ["fedpartial."]
-        assert {k: v for k, v in written.items() if k != "class_allow_list"} == \
-               {k: v for k, v in default.items() if k != "class_allow_list"}
+        # the runtime's exact list instead of FLARE's; the log streamer / receiver gone; everything else
+        # (resource manager, job store) unchanged
+        assert written["class_allow_list"] == list(CLASS_ALLOW_LIST) and len(default["class_allow_list"]) == 88
+        dropped = "site_log_streamer" if kit.startswith("site") else "log_receiver"
+        assert [c for c in written["components"]] == [c for c in default["components"] if c["id"] != dropped]
+        same = {"class_allow_list", "components", "allow_log_streaming"}
+        assert {k: v for k, v in written.items() if k not in same} == \
+               {k: v for k, v in default.items() if k not in same}
         authz = json.loads((local / "authorization.json").read_text())
         assert sorted(authz["permissions"]) == ["lead", "member", "org_admin", "project_admin"]
         assert all(rights["byoc"] == "none" for rights in authz["permissions"].values())
         a = _authorizer(prod / kit, "hospital_a")
         for role in ("project_admin", "lead", "org_admin", "member"):
             assert not _may(a, role, "byoc"), role
-        # the other rights stay FLARE's defaults
+        # the other rights stay FLARE's defaults (shell commands: own organisation's sites only)
         for right in ("submit_job", "abort_job", "download_job", "shutdown", "sys_info", "ls", "check_status"):
             assert _may(a, "project_admin", right), right
+        assert not _may(_authorizer(prod / kit, "hospital_b"), "project_admin", "ls")
         assert _may(a, "lead", "submit_job") and not _may(a, "org_admin", "submit_job")
         assert not _may(a, "member", "submit_job") and _may(a, "member", "list_jobs")
     # the privacy policy goes to the sites, as is; the server has none
@@ -118,13 +143,19 @@ def test_site_policy_allows_fedpartial_classes_and_no_byoc(tmp_path):
 
 
 def test_site_policy_can_keep_byoc(tmp_path):
+    from fedpartial.flare.allowed import CLASS_ALLOW_LIST
+
     prod = _provision(tmp_path, allow_byoc=True)
     local = prod / "site-1" / "local"
-    assert json.loads((local / "authorization.json").read_text()) == \
-        json.loads((local / "authorization.json.default").read_text())
+    written = json.loads((local / "authorization.json").read_text())["permissions"]
+    default = json.loads((local / "authorization.json.default").read_text())["permissions"]
+    # FLARE's byoc rights; only the shell commands are narrowed to the site's own organisation
+    assert {role: rights["byoc"] for role, rights in written.items() if "byoc" in rights} == \
+        {"project_admin": "any", "org_admin": "none", "lead": "any"}
+    assert written["lead"] == default["lead"] and written["project_admin"]["shell_commands"] == "o:site"
     a = _authorizer(prod / "site-1", "hospital_a")
     assert _may(a, "lead", "byoc") and _may(a, "project_admin", "byoc") and not _may(a, "org_admin", "byoc")
-    assert "fedpartial." in json.loads((local / "resources.json").read_text())["class_allow_list"]
+    assert json.loads((local / "resources.json").read_text())["class_allow_list"] == list(CLASS_ALLOW_LIST)
 
 
 def test_site_policy_names_a_bad_privacy_file(tmp_path):
@@ -142,7 +173,9 @@ def test_shipped_projects_use_the_site_policy(name):
     paths = [b["path"] for b in builders]
     policy = paths.index(provision.SITE_POLICY_BUILDER)
     assert policy > paths.index(provision.STATIC_FILE_BUILDER)  # it edits what StaticFileBuilder wrote
-    assert builders[policy]["args"] == {"allow_byoc": False, "class_prefixes": ["fedpartial."], "privacy_file": "privacy.json"}
+    # the builder's own allow-list (no prefix), no code with jobs, no log streaming
+    assert builders[policy]["args"] == {"allow_byoc": False, "allow_log_streaming": False,
+                                        "privacy_file": "privacy.json"}
 
 
 def test_docker_project_writes_compose_and_docker_scripts(tmp_path):
@@ -171,7 +204,9 @@ def test_docker_project_writes_compose_and_docker_scripts(tmp_path):
     for kit in ("localhost", "site-1"):
         assert f"DOCKER_IMAGE={image}\n" in (prod / kit / "startup" / "docker.sh").read_text()
     # the site policy is still written
-    assert "fedpartial." in json.loads((prod / "site-1" / "local" / "resources.json").read_text())["class_allow_list"]
+    from fedpartial.flare.allowed import CLASS_ALLOW_LIST
+    assert json.loads((prod / "site-1" / "local" / "resources.json").read_text())["class_allow_list"] == \
+        list(CLASS_ALLOW_LIST)
     # the image installs this runtime wheel on the official python image (/usr/local/bin/python3), as non-root
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
     assert "FROM python:${PYTHON_VERSION}-slim" in dockerfile

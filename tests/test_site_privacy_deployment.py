@@ -26,6 +26,7 @@ CLASSES = ["c0", "c1", "c2", "c3"]
 # training images per class at each site; site-1 annotates c0, c1 and site-2 c2, c3 (label-set mismatch)
 TRAIN = {"site-1": [13, 3, 8, 8], "site-2": [10, 10, 2, 10]}
 ANNOTATED = {"site-1": [0, 1], "site-2": [2, 3]}
+DATASET = "demo"  # what each site's kit offers (local/fedpartial_site.json)
 
 
 def _write_sites(out: Path) -> None:
@@ -57,6 +58,9 @@ def _write_sites(out: Path) -> None:
 def system(tmp_path_factory):
     root = tmp_path_factory.mktemp("site_privacy")
     env = provision.kit_env(str(root))
+    data = root / "sites"
+    data.mkdir()
+    _write_sites(data)
     procs = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HOME", env["HOME"])
@@ -65,7 +69,8 @@ def system(tmp_path_factory):
         # the kits get provisioning/privacy.json from provisioning (SitePolicyBuilder), as project.yml's do;
         # byoc stays allowed: the test's jobs carry their code
         project = provision.localhost_project("privacy_test", provision.free_port(), SITES, site_policy={
-            "allow_byoc": True, "privacy_file": str(REPO / "provisioning" / "privacy.json")})
+            "allow_byoc": True, "privacy_file": str(REPO / "provisioning" / "privacy.json"),
+            "datasets": {DATASET: str(data)}})
         prod = Path(provision.provision(provision.write_project(str(root / "project.yml"), project),
                                         str(root / "provision"), env=env))
         provision.keep_server_storage_in(str(prod / "localhost"), str(root / "storage"))
@@ -89,14 +94,14 @@ def system(tmp_path_factory):
             assert not left, f"processes left behind: {left}"
 
 
-def _job(tmp_path, data_root, overrides=(), name="fedlsm"):
+def _job(tmp_path, overrides=(), name="fedlsm"):
     from fedpartial_tools.jobtools import package_job
 
     base = ["num_rounds=2", "server.min_clients=2", f"model.class_names={json.dumps(CLASSES)}",
             "model.input_size=[16,16]", "model.in_channels=3", "model.arch_args.width=8", "rule_args.batch_size=16",
             "device=cpu"]
     return Path(package_job(str(REPO / "jobs" / "fedlsm"), str(tmp_path / name), base + list(overrides),
-                            data_root=str(data_root)))
+                            dataset=DATASET))
 
 
 def _tags(event_dir: Path) -> set:
@@ -112,11 +117,8 @@ def test_the_site_policy_holds_for_a_job_without_filters(system, tmp_path):
     from fedpartial.flare.filters import load_recorded
     from fedpartial.flare.common import GLOBAL_STATS, SITE_STATS
 
-    data_root = tmp_path / "sites"
-    data_root.mkdir()
-    _write_sites(data_root)
     # the job asks for the local models (cross-site evaluation of site models) ...
-    job = _job(tmp_path, data_root, ["submit_model_task_name=submit_model"])
+    job = _job(tmp_path, ["submit_model_task_name=submit_model"])
     client_file = job / "app" / "config" / "config_fed_client.json"
     client = json.loads(client_file.read_text())
     # ... and has no privacy filter of its own: only recorders, which run AFTER the site's scope filters
@@ -177,7 +179,7 @@ def test_the_site_policy_holds_for_a_job_without_filters(system, tmp_path):
 
 @pytest.mark.slow
 def test_a_job_naming_an_unknown_scope_is_refused(system, tmp_path):
-    job = _job(tmp_path, tmp_path, name="scoped")
+    job = _job(tmp_path, name="scoped")
     meta_file = job / "meta.json"
     meta = json.loads(meta_file.read_text())
     meta["scope"] = "no_such_scope"

@@ -53,11 +53,11 @@ def _cmd_package(args):
         source = args.fit_data_from or args.data_root
         if not source:
             raise ValueError("--fit-data reads the site files in --data-root; give --data-root (or --fit-data-from "
-                             "DIR when the sites' folder is not on this machine)")
+                             "DIR when the sites' folder is not on this machine, as with --dataset)")
         fitted = dataset_overrides(source)
     sets = _with_matched(args, fitted)
     out = package_job(find_job(args.job, args.profile), args.out, sets, data_root=args.data_root, name=args.name,
-                      with_code=not args.installed_runtime)
+                      with_code=not args.installed_runtime, dataset=args.dataset)
     if args.sites:
         try:
             check_min_clients(out, site_list(args.sites))
@@ -232,7 +232,13 @@ def build_parser(developer: bool = False) -> argparse.ArgumentParser:
                    help="no code in the job (no app/custom): for sites with the fedpartial runtime wheel installed "
                         "and no byoc right; the job names the runtime version it needs")
     s.add_argument("--out", required=True)
-    s.add_argument("--data-root", default=None, help="absolute folder where every site finds <site>.npz")
+    data = s.add_mutually_exclusive_group()
+    data.add_argument("--dataset", default=None, metavar="NAME",
+                      help="provisioned sites: the dataset name every site offers for this federation in its "
+                           "kit's local/fedpartial_site.json (docs/DEPLOYMENT.md, 'Which data a job reads')")
+    data.add_argument("--data-root", default=None,
+                      help="development sites (POC): absolute folder where every site finds <site>.npz; a "
+                           "provisioned site refuses a job that names a path")
     s.add_argument("--name", default=None, help="job name")
     s.add_argument("--sites", type=int, default=0,
                    help="number of sites of the deployment: refuse a job whose min_clients is larger (it would "

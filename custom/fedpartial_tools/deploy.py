@@ -19,6 +19,8 @@ Command line (used by the shell scripts)::
     python -m fedpartial_tools.deploy job-task JOBDIR | data-overrides DATA_ROOT
     python -m fedpartial_tools.deploy stop-leftovers ROOT  # end processes naming ROOT; rc 1 if any survive
     python -m fedpartial_tools.deploy build-runtime --out DIR   # DIR/fedpartial_runtime-<version>-py3-none-any.whl
+    python -m fedpartial_tools.deploy verify-runtime DIR/fedpartial_runtime-<version>-py3-none-any.whl
+    python -m fedpartial_tools.deploy lock-site-requirements   # requirements-site.lock (hashed pins)
     python -m fedpartial_tools.deploy docker-project provisioning/project.yml --out project_docker.yml
     python -m fedpartial_tools.deploy wait-sites PROD_DIR [--timeout S]   # until the server lists every site
     python -m fedpartial_tools.deploy cert-expiry KIT_OR_WORKSPACE [--warn-days 30]  # rc 1 if one is due
@@ -220,6 +222,32 @@ def _cmd_docker_project(args):
 
 def _cmd_build_runtime(args):
     print(build_runtime(args.out))
+
+
+def _cmd_verify_runtime(args):
+    from fedpartial_tools.provision import verify_runtime
+
+    for path in verify_runtime(args.wheel):
+        print(f"{path}: OK")
+
+
+def _cmd_lock_site_requirements(args):
+    from fedpartial_tools.provision import check_site_lock, lock_site_requirements
+
+    started = time.time()
+    out = lock_site_requirements(args.out or None, args.requirements or None, torch=args.torch,
+                                 pip_args=args.pip_arg, timeout=args.timeout)
+    print(f"{out}: {len(check_site_lock(out))} hashed requirements ({time.time() - started:.0f} s)")
+
+
+def _cmd_offer_dataset(args):
+    from fedpartial.flare.site_config import offer_dataset
+
+    path = offer_dataset(args.kit, args.name, args.folder)
+    print(f"{args.kit}: jobs may now name dataset '{args.name}' ({os.path.abspath(args.folder)}); "
+          f"{path}. A running kit reads it at each job's start.")
+
+
 def _cmd_wait_sites(args):
     sites = args.site_names.split(",") if args.site_names else kit_sites(args.prod_dir)
     if not sites:
@@ -336,8 +364,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_progress)
     s = sub.add_parser("build-runtime", help="build the versioned runtime wheel (package fedpartial only) that "
                                              "every site and the server install")
-    s.add_argument("--out", required=True, help="folder for fedpartial_runtime-<version>-py3-none-any.whl")
+    s.add_argument("--out", required=True, help="folder for fedpartial_runtime-<version>-py3-none-any.whl, its "
+                                                "requirements-site.lock and <wheel>.sha256")
     s.set_defaults(func=_cmd_build_runtime)
+    s = sub.add_parser("verify-runtime", help="check the files <wheel>.sha256 names (the wheel, its lock) against "
+                                              "their sha256; exit 2 naming the first that differs")
+    s.add_argument("wheel", help="fedpartial_runtime-<version>-py3-none-any.whl (the .sha256 beside it)")
+    s.set_defaults(func=_cmd_verify_runtime)
+    s = sub.add_parser("lock-site-requirements",
+                       help="write requirements-site.lock: pyproject's runtime dependencies at requirements.txt's "
+                            "pins and all they need, each with its sha256 (pip's resolver, --dry-run --report)")
+    s.add_argument("--out", default="", help="default: <repo>/requirements-site.lock")
+    s.add_argument("--requirements", default="", help="the pins (default: <repo>/requirements.txt)")
+    s.add_argument("--torch", default="", help="a torch pin replacing requirements.txt's, e.g. torch==2.13.0+cu128")
+    s.add_argument("--pip-arg", action="append", default=[],
+                   help="an argument for 'pip install' (repeat), e.g. --pip-arg=--extra-index-url=URL")
+    s.add_argument("--timeout", type=float, default=600, help="seconds for pip")
+    s.set_defaults(func=_cmd_lock_site_requirements)
     s = sub.add_parser("docker-project", help="a project.yml whose kits get docker.sh and the provisioning "
                                               "compose.yaml for the fedpartial image")
     s.add_argument("project", help="e.g. provisioning/project.yml")
@@ -348,6 +391,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("root")
     s.add_argument("--wait", type=float, default=0, help="seconds to let them exit by themselves first")
     s.set_defaults(func=_cmd_stop_leftovers)
+    s = sub.add_parser("offer-dataset", help="let jobs read a folder of site files under a name: adds NAME -> "
+                                              "FOLDER to KIT/local/fedpartial_site.json (jobs then name it with "
+                                              "package-job --dataset NAME)")
+    s.add_argument("kit", help="the site's startup kit (its folder holding startup/ and local/)")
+    s.add_argument("name", help="the dataset name jobs give")
+    s.add_argument("folder", help="the folder holding <site>.npz (or site folders)")
+    s.set_defaults(func=_cmd_offer_dataset)
+
     s = sub.add_parser("wait-sites", help="wait until the server lists every site kit of PROD_DIR (admin API)")
     s.add_argument("prod_dir")
     s.add_argument("--site-names", default="", help="comma-separated (default: every site kit of PROD_DIR)")

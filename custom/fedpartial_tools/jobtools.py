@@ -19,6 +19,8 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import fedpartial
+from fedpartial.algorithms.registry import rule_path
+from fedpartial.flare.common import runtime_identity
 
 CONFIGS = {"server": "config_fed_server.json", "client": "config_fed_client.json"}
 RESULT_FILES = ("global_model.pt", "best_global_model.pt", "metrics.json")
@@ -89,13 +91,17 @@ def constructor_defaults(class_path: str) -> dict:
     return {name: copy.deepcopy(default) for name, default in _constructor_defaults(class_path)}
 
 
+#: the fedpartial components that run a registered rule, and on which side
+RULE_SIDES = {"fedpartial.flare.executors.FedPartialExecutor": "client",
+              "fedpartial.flare.aggregators.RuleAggregator": "server"}
+
+
 def _rule_of(class_path: str, args: dict) -> Optional[str]:
-    """The rule a fedpartial executor / aggregator runs (its ``rule`` argument or default)."""
-    if "rule" in args:
-        return args["rule"]
-    if class_path.startswith("fedpartial."):
-        return constructor_defaults(class_path).get("rule")
-    return None
+    """The class path of the rule a fedpartial executor / aggregator runs (its ``rule`` or default)."""
+    side = RULE_SIDES.get(class_path)
+    if side is None:
+        return None
+    return rule_path(side, args.get("rule", constructor_defaults(class_path).get("rule")))
 
 
 def _accepts(class_path: str, args: dict, path: List[str]) -> bool:
@@ -258,7 +264,8 @@ def matched_sets(method_dir: str, baseline_dir: str, overrides: Sequence[str] = 
 
 
 def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_root: Optional[str] = None,
-                with_code: bool = True, name: Optional[str] = None, runtime_version: Optional[str] = None) -> str:
+                with_code: bool = True, name: Optional[str] = None, runtime_version: Optional[str] = None,
+                dataset: Optional[str] = None) -> str:
     """Copy ``job_dir`` to ``out_dir`` with overrides applied, the runtime version it needs written
     into its fedpartial executor and persistor, and (``with_code``) the fedpartial package in
     ``app/custom`` (bring-your-own-code). Returns ``out_dir``.
@@ -267,12 +274,16 @@ def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_
         job_dir: a folder of ``jobs/``.
         out_dir: where the runnable job goes (replaced if present).
         overrides: ``key=value`` settings (see :func:`apply_overrides`).
-        data_root: sets the client's ``data_root`` (where each site finds ``<site>.npz``).
+        data_root: sets the client's ``data_root`` (where each site finds ``<site>.npz``): for
+            development sites (simulator, POC) only; a provisioned site refuses a job that sets it.
+        dataset: the name of the dataset each provisioned site offers for this federation
+            (``local/fedpartial_site.json``); clears ``data_root``.
         with_code: copy the package into the job (bring-your-own-code: POC, and consortia whose
             sites grant the byoc right). False: the job names only classes, for sites with the
             runtime installed (``build-runtime``) and ``fedpartial.`` on their class allow-list.
         name: job name in meta.json (default: keep).
-        runtime_version: the fedpartial version the job needs (default: this ``fedpartial.__version__``);
+        runtime_version: the runtime the job needs (default: this checkout's
+            :func:`~fedpartial.flare.common.runtime_identity`, version and content hash);
             sites and server with another version installed refuse the job at its start. "" = write
             none (the folders of ``jobs/``, derived from each other).
     """
@@ -286,11 +297,15 @@ def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_
     paths = _config_paths(out_dir)
     configs = {side: json.load(open(p)) for side, p in paths.items()}
     sets = list(overrides)
+    if data_root is not None and dataset is not None:
+        raise ValueError("package_job: give a dataset name (provisioned sites) or a data_root (development), not both")
     if data_root is not None:
         sets.insert(0, f"client.data_root={json.dumps(os.path.abspath(data_root))}")
+    if dataset is not None:
+        sets[:0] = [f"client.dataset={json.dumps(str(dataset))}", 'client.data_root=""']
     apply_overrides(configs, sets)
     if runtime_version != "":
-        set_runtime_version(configs, fedpartial.__version__ if runtime_version is None else runtime_version)
+        set_runtime_version(configs, runtime_identity() if runtime_version is None else runtime_version)
     for side, p in paths.items():
         with open(p, "w") as f:
             f.write(json.dumps(configs[side], indent=2) + "\n")

@@ -59,8 +59,9 @@ def localhost_project(name: str, port: int, sites: Sequence[str], server_name: s
         admins: ``(email, org, role)`` triples.
         site_org: prefix of the sites' organisation names.
         site_policy: args of :class:`fedpartial_tools.provision_builders.SitePolicyBuilder` (e.g.
-            ``{"allow_byoc": False}``: installed runtime, no code with jobs); ``None`` = FLARE's default
-            policy (byoc jobs allowed, as in POC).
+            ``{"allow_byoc": False}``: installed runtime, no code with jobs; its defaults: the runtime's
+            exact class allow-list, no log streaming, shell commands for the site's own org only);
+            ``None`` = FLARE's default policy (byoc jobs allowed, as in POC).
         root_valid_days: validity of the root CA (only when first created; participants' certificates
             are valid 360 days, never beyond the root CA).
     """
@@ -156,18 +157,46 @@ def keep_server_storage_in(server_kit: str, root: str) -> str:
 
 
 RUNTIME_DIST = "fedpartial_runtime"
+REPO_ROOT = os.path.dirname(TOOLS_ROOT)
+#: the hashed lock of every package a site or the server installs before the runtime wheel
+SITE_LOCK = "requirements-site.lock"
+# wheel timestamps (zip entries): fixed, so the same source builds the same wheel, byte for byte
+WHEEL_EPOCH = "315532800"  # 1980-01-01, the earliest date a zip entry holds
 
 
-def build_runtime(out_dir: str, timeout: float = 300) -> str:
+def sha256_file(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_runtime(out_dir: str, timeout: float = 300, lock_file: Optional[str] = None) -> str:
     """Build the runtime wheel: the package ``fedpartial`` alone (what sites and the server execute;
     not ``fedpartial_tools``, not the ``python -m fedpartial`` shim), version ``fedpartial.__version__``,
     the runtime dependencies of ``pyproject.toml``. Returns the wheel's path.
+
+    Beside the wheel: ``requirements-site.lock`` (every dependency pinned with its sha256, see
+    :func:`lock_site_requirements`) and ``<wheel>.sha256``, the sha256 of the wheel and of the lock in
+    ``sha256sum`` format. A site checks and installs them with::
+
+        sha256sum -c fedpartial_runtime-<version>-py3-none-any.whl.sha256
+        pip install --require-hashes -r requirements-site.lock
+        pip install --no-deps fedpartial_runtime-<version>-py3-none-any.whl
+
+    The ``.sha256`` proves the files are the reviewed ones only when its hashes reach the sites by
+    another path than the files (e.g. the consortium's review record). The same source builds the
+    same wheel (fixed zip timestamps), so a reviewer can rebuild it and compare.
 
     Uses ``pip wheel --no-build-isolation`` with this interpreter's setuptools (no download).
 
     Args:
         out_dir: folder for the wheel (created).
         timeout: seconds for the build.
+        lock_file: the lock copied beside the wheel (default: the repository's ``requirements-site.lock``).
     """
     import tempfile
 
@@ -178,7 +207,9 @@ def build_runtime(out_dir: str, timeout: float = 300) -> str:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = REPO_ROOT
+    lock_file = os.path.abspath(lock_file or os.path.join(repo, SITE_LOCK))
+    check_site_lock(lock_file)  # before building: a wheel without its lock is not shipped
     with open(os.path.join(repo, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
     version = fedpartial.__version__
@@ -204,13 +235,218 @@ include = ["fedpartial", "fedpartial.*"]
 """)
         cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
                "-w", os.path.abspath(out_dir), stage]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=stage)
+        env = dict(os.environ, SOURCE_DATE_EPOCH=WHEEL_EPOCH)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=stage, env=env)
         if res.returncode != 0:
             raise RuntimeError(f"building the runtime wheel failed (exit {res.returncode}):\n{res.stdout}\n{res.stderr}")
     wheel = os.path.join(os.path.abspath(out_dir), f"{RUNTIME_DIST}-{version}-py3-none-any.whl")
     if not os.path.isfile(wheel):
         raise RuntimeError(f"pip wheel succeeded but wrote no '{wheel}'; found {os.listdir(out_dir)}")
+    lock = os.path.join(os.path.abspath(out_dir), SITE_LOCK)
+    if os.path.abspath(lock) != lock_file:
+        shutil.copyfile(lock_file, lock)
+    with open(wheel + ".sha256", "w") as f:  # sha256sum's format: "<hex>  <name>", names relative to out_dir
+        for path in (wheel, lock):
+            f.write(f"{sha256_file(path)}  {os.path.basename(path)}\n")
     return wheel
+
+
+def verify_runtime(wheel: str) -> List[str]:
+    """Check ``<wheel>.sha256`` (written by :func:`build_runtime`): every file it names, read from
+    the wheel's folder, has that sha256, the wheel is among them, and a lock among them has a hash
+    on every requirement. Returns the files checked; raises naming the first that fails.
+
+    Args:
+        wheel: the runtime wheel, e.g. ``dist/fedpartial_runtime-0.1.0-py3-none-any.whl``.
+    """
+    wheel = os.path.abspath(wheel)
+    sums = wheel + ".sha256"
+    if not os.path.isfile(wheel):
+        raise FileNotFoundError(f"runtime wheel '{wheel}' does not exist")
+    if not os.path.isfile(sums):
+        raise FileNotFoundError(f"'{sums}' does not exist (build-runtime writes it beside the wheel)")
+    folder, checked = os.path.dirname(wheel), []
+    with open(sums) as f:
+        lines = [line.rstrip("\n") for line in f if line.strip()]
+    for n, line in enumerate(lines, start=1):
+        digest, sep, name = line.partition("  ")
+        name = name.lstrip("*")
+        if not sep or len(digest) != 64 or not name or os.path.basename(name) != name:
+            raise ValueError(f"'{sums}' line {n}: expected '<sha256 hex>  <file name>', got {line!r}")
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"'{path}' (named in '{sums}' line {n}) does not exist")
+        actual = sha256_file(path)
+        if actual != digest.lower():
+            raise ValueError(f"'{path}' has sha256 {actual}, but '{sums}' line {n} says {digest}: "
+                             f"not the file that was built")
+        if name == SITE_LOCK:
+            check_site_lock(path)
+        checked.append(path)
+    if wheel not in checked:
+        raise ValueError(f"'{sums}' has no line for '{os.path.basename(wheel)}'")
+    return checked
+
+
+def check_site_lock(path: str) -> List[str]:
+    """The requirements of a hashed lock (``name==version``), after checking that each is pinned
+    with ``==`` and has at least one ``--hash=sha256:``; raises naming the file and the first
+    requirement that is not.
+
+    Args:
+        path: e.g. ``requirements-site.lock``.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"site lock '{path}' does not exist (python -m fedpartial_tools.deploy "
+                                f"lock-site-requirements writes it)")
+    text = open(path).read().replace("\\\n", " ")  # join continuation lines
+    pins = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        spec, *options = line.split()
+        hashes = [o for o in options if o.startswith("--hash=sha256:") and len(o) == len("--hash=sha256:") + 64]
+        if "==" not in spec or not hashes or len(hashes) != len(options):
+            raise ValueError(f"site lock '{path}': requirement {spec!r} must be pinned with == and carry "
+                             f"only --hash=sha256:<64 hex> options, got {line!r}")
+        pins.append(spec)
+    if not pins:
+        raise ValueError(f"site lock '{path}' holds no requirement")
+    return pins
+
+
+def _pinned_runtime_dependencies(pyproject: str, requirements: str, torch: str = "") -> List[str]:
+    """pyproject.toml's runtime dependencies, each at its pin in ``requirements`` (``torch`` replaces
+    the torch pin when given)."""
+    import re
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    def key(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    with open(pyproject, "rb") as f:
+        deps = tomllib.load(f)["project"].get("dependencies", [])
+    pins = {}
+    for line in open(requirements):
+        line = line.split("#", 1)[0].strip()
+        if "==" in line:
+            pins[key(line.split("==", 1)[0].strip())] = line
+    if torch:
+        pins["torch"] = torch
+    out = []
+    for dep in deps:
+        name = key(re.split(r"[<>=!~;\[ ]", dep, maxsplit=1)[0])
+        if name not in pins:
+            raise ValueError(f"'{requirements}' pins no version of '{name}', a runtime dependency in '{pyproject}'")
+        out.append(pins[name])
+    return out
+
+
+def site_lock_text(report: dict, direct: Sequence[str], source: str) -> str:
+    """The text of ``requirements-site.lock`` from a ``pip install --dry-run --report`` report: one
+    ``name==version`` with the sha256 of the file pip chose, per package, sorted by name.
+
+    Args:
+        report: the parsed report (format version 1).
+        direct: the pinned requirements resolved (for the header).
+        source: how the lock was made (for the header).
+    """
+    from urllib.parse import unquote
+
+    env = report.get("environment") or {}
+    rows, notes = [], []
+    for item in report.get("install") or []:
+        meta, info = item.get("metadata") or {}, item.get("download_info") or {}
+        name, version = meta.get("name"), meta.get("version")
+        url = info.get("url", "")
+        archive = info.get("archive_info")
+        if archive is None or not name or not version:
+            raise ValueError(f"pip report: '{name or url}' is not an archive pip could hash ({url}); "
+                             f"the lock needs released files, not folders or VCS checkouts")
+        digest = (archive.get("hashes") or {}).get("sha256") or ""
+        if not digest and str(archive.get("hash", "")).startswith("sha256="):
+            digest = archive["hash"].split("=", 1)[1]
+        if len(digest) != 64:
+            raise ValueError(f"pip report: no sha256 for {name}=={version} ({url})")
+        rows.append((name.lower(), f"{name}=={version} \\\n    --hash=sha256:{digest}\n"))
+        if "+" in version:  # a local build (torch's +cpu): not on PyPI
+            notes.append(f"#   {name}=={version}: {unquote(url.rsplit('/', 1)[-1])}, not on PyPI: give pip its "
+                         f"folder (--find-links) or its index\n")
+    if not rows:
+        raise ValueError("pip report: nothing to install")
+    python = f"{env.get('implementation_name', 'python')} {env.get('python_version', '?')}"
+    platform = f"{env.get('sys_platform', '?')} {env.get('platform_machine', '?')}"
+    head = ("# requirements-site.lock: every package a fedpartial site or server installs before the runtime\n"
+            "# wheel, pinned with the sha256 of its file:\n"
+            "#   pip install --require-hashes -r requirements-site.lock\n"
+            "#   pip install --no-deps fedpartial_runtime-<version>-py3-none-any.whl\n"
+            f"# Resolved by pip for {python} on {platform} from pyproject.toml's runtime dependencies\n"
+            f"# at requirements.txt's pins: {' '.join(direct)}\n"
+            f"# Written by {source}; do not edit.\n")
+    if notes:
+        head += "# Local builds:\n" + "".join(notes)
+    return head + "".join(text for _, text in sorted(rows))
+
+
+def lock_site_requirements(out: Optional[str] = None, requirements: Optional[str] = None, torch: str = "",
+                           pip_args: Sequence[str] = (), timeout: float = 600) -> str:
+    """Write the hashed site lock (default ``<repo>/requirements-site.lock``): pyproject.toml's
+    runtime dependencies (torch, nvflare, monai, numpy, scikit-learn, tensorboard) at their pins in
+    ``requirements.txt``, and every package they need, each pinned with the sha256 of the file pip
+    chose. Returns the lock's path.
+
+    pip's own resolver decides (``pip install --dry-run --ignore-installed --report``, this
+    interpreter's pip configuration: indexes, find-links, constraints): nothing is installed, and
+    wheels are downloaded only where an index serves no metadata file. The lock holds this
+    interpreter's and platform's files (named in its header); sites need the same Python minor
+    version and platform, or a lock made on one like theirs.
+
+    torch: requirements.txt pins ``torch==2.13.0``; on this machine pip resolves it to the CPU build
+    ``torch==2.13.0+cpu`` from a local folder (``pip config list``: find-links), whose sha256 the
+    lock carries. A site installs it with that folder (``--find-links``) or PyTorch's CPU index
+    (``--extra-index-url https://download.pytorch.org/whl/cpu``, whose file must have the same sha256).
+    A lock for CUDA sites is made the same way with the CUDA build and its index, e.g.::
+
+        python -m fedpartial_tools.deploy lock-site-requirements --out requirements-site-cu128.lock \\
+            --torch torch==2.13.0+cu128 --pip-arg=--extra-index-url=https://download.pytorch.org/whl/cu128
+
+    which also pins and hashes the nvidia-* packages that build needs.
+
+    Args:
+        out: the lock to write.
+        requirements: the pins (default ``<repo>/requirements.txt``).
+        torch: a torch requirement replacing requirements.txt's (e.g. ``torch==2.13.0+cu128``).
+        pip_args: further arguments of ``pip install`` (indexes, ``--python-version``, ...).
+        timeout: seconds for pip.
+    """
+    import tempfile
+
+    out = os.path.abspath(out or os.path.join(REPO_ROOT, SITE_LOCK))
+    requirements = os.path.abspath(requirements or os.path.join(REPO_ROOT, "requirements.txt"))
+    direct = _pinned_runtime_dependencies(os.path.join(REPO_ROOT, "pyproject.toml"), requirements, torch)
+    with tempfile.TemporaryDirectory() as tmp:
+        wanted, report_file = os.path.join(tmp, "site.in"), os.path.join(tmp, "report.json")
+        with open(wanted, "w") as f:
+            f.write("\n".join(direct) + "\n")
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+               "--report", report_file, "-r", wanted, *pip_args]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if res.returncode != 0:
+            raise RuntimeError(f"'{' '.join(cmd)}' failed (exit {res.returncode}):\n{res.stdout}\n{res.stderr}")
+        with open(report_file) as f:
+            report = json.load(f)
+    text = site_lock_text(report, direct, "python -m fedpartial_tools.deploy lock-site-requirements")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(out + ".tmp", out)
+    check_site_lock(out)
+    return out
 
 
 DOCKER_BUILDER = "nvflare.lighter.impl.docker.DockerBuilder"

@@ -42,7 +42,9 @@ from nvflare.job_config.defs import FilterType
 from nvflare.recipe.spec import ExecEnv, Recipe
 
 import fedpartial
+from fedpartial.algorithms.registry import rule_path
 from fedpartial.flare.aggregators import RuleAggregator
+from fedpartial.flare.common import runtime_identity
 from fedpartial.flare.executors import FedPartialExecutor
 from fedpartial.flare.filters import StatisticsPrivacyFilter
 from fedpartial.flare.persistor import FedPartialModelLocator, FedPartialPersistor
@@ -255,12 +257,17 @@ def _spec(cls, **args):
     return obj
 
 
-def _without_defaults(rule_path: str, args: dict) -> dict:
+def rule_defaults(side: str, name: str) -> dict:
+    """The constructor defaults of the registered ``side`` rule ``name`` (``client`` / ``server``)."""
+    return constructor_defaults(rule_path(side, name))
+
+
+def _without_defaults(side: str, name: str, args: dict) -> dict:
     """``args`` less the values equal to the rule constructor's defaults."""
-    defaults = constructor_defaults(rule_path)
+    defaults = rule_defaults(side, name)
     unknown = sorted(set(args) - set(defaults))
     if unknown:
-        raise ValueError(f"{rule_path} takes no argument(s) {unknown}; it takes {sorted(defaults)}")
+        raise ValueError(f"the {side} rule '{name}' takes no argument(s) {unknown}; it takes {sorted(defaults)}")
     return {k: v for k, v in args.items() if _jsonable(v) != _jsonable(defaults[k])}
 
 
@@ -289,8 +296,8 @@ class FedPartialRecipe(Recipe):
         with_code: carry the fedpartial package in ``app/custom`` (POC, simulator, and sites that grant
             bring-your-own-code).
         seed: the seed of the model's initialisation and each site's training.
-        runtime_version: the fedpartial version the job needs, checked by the executor and the
-            persistor at the start (default: this ``fedpartial.__version__``; "" = none, as the folders
+        runtime_version: the runtime the job needs, checked by the executor and the persistor at the
+            start (default: this checkout's ``runtime_identity()``, version and content hash; "" = none, as the folders
             of ``jobs/`` are written).
     """
 
@@ -310,7 +317,7 @@ class FedPartialRecipe(Recipe):
         self.settings = self.profile_settings(profile, num_rounds=num_rounds, min_clients=min_clients, model=model,
                                               rule_args=rule_args, server_rule_args=server_rule_args, fit_to=fit_to)
         self.data_root, self.with_code, self.seed = data_root, bool(with_code), int(seed)
-        self.runtime_version = fedpartial.__version__ if runtime_version is None else str(runtime_version)
+        self.runtime_version = runtime_identity() if runtime_version is None else str(runtime_version)
         self._staging = None
         super().__init__(self._build_job(name or self.NAME))
 
@@ -326,7 +333,7 @@ class FedPartialRecipe(Recipe):
             raise ValueError(f"{cls.__name__} has no profile '{profile}'; choose one of {sorted(cls.PROFILES)}")
         chosen = copy.deepcopy(cls.PROFILES[profile])
         # a rule argument both rules take (FedIA's warmup_rounds) reaches both, as --set does
-        server_takes = constructor_defaults(cls.SERVER_RULE)
+        server_takes = rule_defaults("server", cls.SERVER_RULE)
         shared = {k: v for k, v in (rule_args or {}).items() if k in server_takes}
         settings = {
             "model": {**chosen["model"], **(model or {})},
@@ -361,7 +368,7 @@ class FedPartialRecipe(Recipe):
         job.to_server(_spec(FedPartialPersistor, model="{model}", seed="{seed}", **runtime), id="persistor")
         job.to_server(FullModelShareableGenerator(), id="shareable_generator")
         job.to_server(_spec(RuleAggregator, rule=self.SERVER_RULE, model="{model}",
-                            rule_args=_without_defaults(self.SERVER_RULE, s["server_rule_args"])), id="aggregator")
+                            rule_args=_without_defaults("server", self.SERVER_RULE, s["server_rule_args"])), id="aggregator")
         selector = _spec(PooledModelSelector if self.KEY_METRIC == "dice_pooled" else IntimeModelSelector,
                          key_metric="{key_metric}")
         job.to_server(selector, id="model_selector")
@@ -376,7 +383,7 @@ class FedPartialRecipe(Recipe):
         executor = _spec(FedPartialExecutor, rule=self.CLIENT_RULE, model="{model}", data_root="{data_root}",
                          data_file=s["data_file"], device="{device}", memory_format="{memory_format}",
                          seed="{seed}", key_metric="{key_metric}", analytics_writer="analytics_writer",
-                         rule_args=_without_defaults(self.CLIENT_RULE, s["rule_args"]), **runtime)
+                         rule_args=_without_defaults("client", self.CLIENT_RULE, s["rule_args"]), **runtime)
         job.to_clients(executor, id="executor", tasks=["train", "submit_model", "validate"])
         if self.preset():
             job.to_clients(_spec(StatisticsPrivacyFilter, preset=self.preset(), min_count=5),
@@ -411,8 +418,8 @@ class FedPartialRecipe(Recipe):
         """
         mine = cls.profile_settings(**kwargs)
         effective = {"model": method.settings["model"],
-                     "rule_args": {**constructor_defaults(method.CLIENT_RULE), **method.settings["rule_args"]}}
-        model, rule = taken_from_method(effective, constructor_defaults(cls.CLIENT_RULE))
+                     "rule_args": {**rule_defaults("client", method.CLIENT_RULE), **method.settings["rule_args"]}}
+        model, rule = taken_from_method(effective, rule_defaults("client", cls.CLIENT_RULE))
         kwargs = {k: v for k, v in kwargs.items() if k not in ("model", "rule_args", "num_rounds")}
         return cls(model={**mine["model"], **model}, rule_args={**mine["rule_args"], **rule},
                    num_rounds=method.settings["num_rounds"], **kwargs)
@@ -426,8 +433,8 @@ class FedAvgRecipe(FedPartialRecipe):
     """FedAvg on the sites' partial labels: unannotated entries count as negative (lower bound)."""
 
     NAME = "fedavg"
-    CLIENT_RULE = "fedpartial.algorithms.fedavg.SupervisedClient"
-    SERVER_RULE = "fedpartial.algorithms.fedavg.FedAvgServer"
+    CLIENT_RULE = "fedavg"
+    SERVER_RULE = "fedavg"
     PROFILES = FEDAVG_PROFILES
 
 
@@ -449,8 +456,8 @@ class SegFedAvgRecipe(FedPartialRecipe):
     """Segmentation FedAvg on the sites' incomplete masks (lower bound for FedIA)."""
 
     NAME = "fedavg_seg"
-    CLIENT_RULE = "fedpartial.algorithms.segmentation.SegmentationSupervisedClient"
-    SERVER_RULE = "fedpartial.algorithms.fedavg.FedAvgServer"
+    CLIENT_RULE = "fedavg_seg"
+    SERVER_RULE = "fedavg"
     KEY_METRIC = "dice_pooled"
     PROFILES = SEG_PROFILES
 
@@ -466,8 +473,8 @@ class FedLSMRecipe(FedPartialRecipe):
     """FedLSM (MICCAI 2023): label-set mismatch, single- or multi-label."""
 
     NAME = "fedlsm"
-    CLIENT_RULE = "fedpartial.algorithms.fedlsm.FedLSMClient"
-    SERVER_RULE = "fedpartial.algorithms.fedlsm.AWPAServer"
+    CLIENT_RULE = "fedlsm"
+    SERVER_RULE = "fedlsm"
     PRESET = "fedlsm"
     PROFILES = FEDLSM_PROFILES
 
@@ -476,8 +483,8 @@ class FedMLPRecipe(FedPartialRecipe):
     """FedMLP (MICCAI 2024): multi-label, each site annotates a few classes."""
 
     NAME = "fedmlp"
-    CLIENT_RULE = "fedpartial.algorithms.fedmlp.FedMLPClient"
-    SERVER_RULE = "fedpartial.algorithms.fedmlp.FedMLPServer"
+    CLIENT_RULE = "fedmlp"
+    SERVER_RULE = "fedmlp"
     PRESET = "fedmlp"
     PROFILES = FEDMLP_PROFILES
 
@@ -486,8 +493,8 @@ class FedIRMRecipe(FedPartialRecipe):
     """FedIRM (MICCAI 2021): labelled and unlabelled sites, relation matching."""
 
     NAME = "fedirm"
-    CLIENT_RULE = "fedpartial.algorithms.fedirm.FedIRMClient"
-    SERVER_RULE = "fedpartial.algorithms.fedirm.FedIRMServer"
+    CLIENT_RULE = "fedirm"
+    SERVER_RULE = "fedirm"
     PROFILES = FEDIRM_PROFILES
 
     def preset(self) -> Optional[str]:
@@ -498,8 +505,8 @@ class FedIARecipe(FedPartialRecipe):
     """FedIA (MICCAI 2024): segmentation with incomplete masks."""
 
     NAME = "fedia"
-    CLIENT_RULE = "fedpartial.algorithms.fedia.FedIAClient"
-    SERVER_RULE = "fedpartial.algorithms.fedia.FedIAServer"
+    CLIENT_RULE = "fedia"
+    SERVER_RULE = "fedia"
     PRESET = "fedia"
     KEY_METRIC = "dice_pooled"
     PROFILES = FEDIA_PROFILES

@@ -30,8 +30,8 @@ class RuleSpec:
     """How to time one method's client rule.
 
     Attributes:
-        client: dotted path of the client rule.
-        server: dotted path of the server rule (gives the timed rounds real global statistics).
+        client: registered name of the client rule (:mod:`fedpartial.algorithms.registry`).
+        server: registered name of the server rule (gives the timed rounds real global statistics).
         tasks: site-file tasks the rule runs on.
         client_args / server_args: constructor arguments (besides ``batch_size``).
         untimed_rounds: rounds run before the clock starts, so that the timed rounds are the
@@ -51,20 +51,20 @@ class RuleSpec:
 
 
 RULES: Dict[str, RuleSpec] = {
-    "fedavg": RuleSpec("fedpartial.algorithms.fedavg.SupervisedClient", "fedpartial.algorithms.fedavg.FedAvgServer",
+    "fedavg": RuleSpec("fedavg", "fedavg",
                        _CLASSIFICATION, {"loss_mode": "partial", "local_epochs": 1}),
-    "fedlsm": RuleSpec("fedpartial.algorithms.fedlsm.FedLSMClient", "fedpartial.algorithms.fedlsm.AWPAServer",
+    "fedlsm": RuleSpec("fedlsm", "fedlsm",
                        _CLASSIFICATION, {"local_epochs": 1.0}),
-    "fedmlp": RuleSpec("fedpartial.algorithms.fedmlp.FedMLPClient", "fedpartial.algorithms.fedmlp.FedMLPServer",
+    "fedmlp": RuleSpec("fedmlp", "fedmlp",
                        (MULTI_LABEL,), {"warmup_rounds": 1}),
-    "fedirm": RuleSpec("fedpartial.algorithms.fedirm.FedIRMClient", "fedpartial.algorithms.fedirm.FedIRMServer",
+    "fedirm": RuleSpec("fedirm", "fedirm",
                        _CLASSIFICATION),
-    "fedirm_unlabelled": RuleSpec("fedpartial.algorithms.fedirm.FedIRMClient",
-                                  "fedpartial.algorithms.fedirm.FedIRMServer", _CLASSIFICATION,
+    "fedirm_unlabelled": RuleSpec("fedirm",
+                                  "fedirm", _CLASSIFICATION,
                                   {"unlabelled_start_round": 0}, hide_labels=True),
-    "fedavg_seg": RuleSpec("fedpartial.algorithms.segmentation.SegmentationSupervisedClient",
-                           "fedpartial.algorithms.fedavg.FedAvgServer", (SEGMENTATION,)),
-    "fedia": RuleSpec("fedpartial.algorithms.fedia.FedIAClient", "fedpartial.algorithms.fedia.FedIAServer",
+    "fedavg_seg": RuleSpec("fedavg_seg",
+                           "fedavg", (SEGMENTATION,)),
+    "fedia": RuleSpec("fedia", "fedia",
                       (SEGMENTATION,), {"warmup_rounds": 2}, {"warmup_rounds": 2}, untimed_rounds=2),
 }
 
@@ -171,7 +171,7 @@ def rule_throughput(name: str, data: Dataset, arch: str, batch_size: int, rounds
         student in training mode) and ``stats_keys`` (the statistics the rule sends).
     """
     from fedpartial.algorithms.base import RoundInput, ServerContext, SiteUpdate
-    from fedpartial.flare.common import build_rule
+    from fedpartial.algorithms.registry import build_rule
     from fedpartial.models import build_model
     from fedpartial.training.common import place_model, state_dict_numpy
 
@@ -181,10 +181,10 @@ def rule_throughput(name: str, data: Dataset, arch: str, batch_size: int, rounds
     channels = 1 if data.splits["train"].images.ndim == 3 else 3
     torch.manual_seed(seed)
     model = place_model(build_model(arch, data.num_classes, channels, **dict(arch_args or {})), device, memory_format)
-    server = build_rule(spec.server, spec.server_args)
+    server = build_rule("server", spec.server, spec.server_args)
     total = spec.untimed_rounds + rounds
     with tempfile.TemporaryDirectory() as state:
-        rule = build_rule(spec.client, dict(spec.client_args, batch_size=batch_size))
+        rule = build_rule("client", spec.client, dict(spec.client_args, batch_size=batch_size))
         rule.setup(_context(data, device, state, seed))
         stats: dict = {}
         for r in range(spec.untimed_rounds):
@@ -193,7 +193,7 @@ def rule_throughput(name: str, data: Dataset, arch: str, batch_size: int, rounds
             _, stats = server.aggregate([SiteUpdate(data.site or "site", weights, result.num_samples, result.stats)],
                                         ServerContext(r, total, model.classifier_param_names(), weights, stats))
         if spec.hide_labels:  # from here on the site has no label: the unlabelled branch
-            rule = build_rule(spec.client, dict(spec.client_args, batch_size=batch_size))
+            rule = build_rule("client", spec.client, dict(spec.client_args, batch_size=batch_size))
             unlabelled_state = os.path.join(state, "unlabelled")
             os.makedirs(unlabelled_state)
             rule.setup(_context(hide_labels(data), device, unlabelled_state, seed))

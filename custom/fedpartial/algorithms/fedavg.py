@@ -29,6 +29,10 @@ from fedpartial.training.losses import masked_bce_with_logits, masked_cross_entr
 
 LOSS_MODES = ("missing-negative", "partial", "full")
 
+#: What the client rule returns in ``metrics`` (sent as ``site_metrics``) and when a site's result
+#: policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+SENT_METRICS = {"fedavg": {"train_loss": "scope", "train_steps": "scope"}}
+
 
 class FedAvgServer(ServerRule):
     """Plain FedAvg: weights averaged by data size (or ``ctx.weight_rule``), no statistics."""

@@ -83,6 +83,17 @@ SENT_STATISTICS = {
                        "corrected": 0.0},
               "clip": {"mean_loss": [0, math.inf], "iou": [0, 1], "completeness": [1e-6, math.inf]}},
 }
+#: What the client rule returns in ``metrics`` (sent as ``site_metrics``) and when a site's result
+#: policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+#: The completeness estimate, IoU trend and correction flags describe the site's training images
+#: (as ``site_stats`` does, behind ``num_images``); pixel counts are counts.
+SENT_METRICS = {
+    "fedia": {"train_loss": "scope", "train_iou": "scope", "train_steps": "scope", "iou_trend": "scope",
+              "correction_triggered": "scope", "corrected": "scope", "completeness": "scope",
+              "corrected_pixels": "count", "corrected_pixels_total": "count",
+              "corrected_precision": "rate:corrected_pixels_total", "corrected_recall_missing": "local",
+              "true_completeness": "local"},
+}
 
 
 # ----------------------------------------------------------------------------- pure helpers

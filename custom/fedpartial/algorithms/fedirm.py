@@ -136,6 +136,16 @@ SENT_STATISTICS = {
                           "fill": {"relation_matrix": 0.5},
                           "clip": {"relation_matrix": [0, 1], "relation_counts": [0, math.inf]}},
 }
+#: What the client rule returns in ``metrics`` (sent as ``site_metrics``) and when a site's result
+#: policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+#: Labelled and unlabelled sites together. ``relation_classes_seen`` stays local: it would count
+#: the classes whose relation row the minimum-count rule withholds.
+SENT_METRICS = {
+    "fedirm": {"train_loss": "scope", "train_steps": "scope", "consistency_loss": "scope", "irm_loss": "scope",
+               "pseudo_label_loss": "scope", "reliable_fraction": "scope", "labelled": "value",
+               "ramp_weight": "value", "irm_active": "value", "joined": "value", "aborted": "value",
+               "relation_classes_seen": "local", "pseudo_precision": "local"},
+}
 RELATION_VALID = "relation_valid"
 RELATION_MULTILABEL = "relation_multilabel"
 _EPS = 1e-8

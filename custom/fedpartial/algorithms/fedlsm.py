@@ -100,6 +100,19 @@ SENT_STATISTICS = {
                "guards": {"class_counts": "class_counts", "label_pos": "label_pos", "label_neg": "label_neg"},
                "clip": {"class_counts": [0, math.inf], "label_pos": [0, math.inf], "label_neg": [0, math.inf]}},
 }
+#: What the client rule returns in ``metrics`` (sent as ``site_metrics``) and when a site's result
+#: policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+#: Pseudo-label counts are over the (sample, class) entries of this round; the precision / recall
+#: diagnostics exist only with reference labels.
+SENT_METRICS = {
+    "fedlsm": {"loss": "scope", "loss_labelled": "scope", "loss_pseudo": "scope", "loss_ude": "scope",
+               "ude_valid_pairs": "scope", "mean_entropy": "scope", "train_steps": "scope",
+               "pseudo_labels_per_step": "count", "n_confident": "count", "n_uncertain": "count",
+               "num_pseudo_positive": "count", "num_pseudo_negative": "count", "samples_seen": "count",
+               "global_stats_received": "value",
+               "pseudo_precision": "rate:num_pseudo_positive", "pseudo_neg_precision": "rate:num_pseudo_negative",
+               "pseudo_recall": "local"},
+}
 
 
 # ----------------------------------------------------------------------------- pure helpers

@@ -157,6 +157,19 @@ SENT_STATISTICS = {
                "clip": {"prototype_counts_pos": [0, math.inf], "prototype_counts_neg": [0, math.inf],
                         "learning_degree": [0, 1], "tag_check_hits": [0, math.inf],
                         "tag_check_count": [0, math.inf]}},
+    # warm-up rounds: which classes the site annotates, alone (``exclusive``: recognised only when
+    # the message holds nothing else)
+    "fedmlp_warmup": {"keys": ["annotated_classes"], "signature": ["annotated_classes"], "exclusive": True},
+}
+#: What the client rule returns in ``metrics`` (sent as ``site_metrics``) and when a site's result
+#: policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+#: ``{c}`` stands for a class index. Tag counts are over the site's missing (sample, class) entries.
+SENT_METRICS = {
+    "fedmlp": {"stage": "value", "global_prototypes_valid": "value", "train_loss": "scope", "loss_wpc": "scope",
+               "loss_cr": "scope", "train_steps": "scope", "tags_new_neg_c{c}": "count",
+               "tags_new_pos_c{c}": "count", "tags_total_neg": "count", "tags_total_pos": "count",
+               "tag_precision_pos": "rate:tags_total_pos", "tag_precision_neg": "rate:tags_total_neg",
+               "tag_recall_pos": "local", "tag_recall_neg": "local"},
 }
 
 

@@ -29,6 +29,10 @@ from fedpartial.data.types import DataError
 from fedpartial.training.common import (ImageSource, batch_indices, predict_batches, round_seed, seed_everything,
                                         take_rows)
 
+#: What :class:`SegmentationSupervisedClient` returns in ``metrics`` (sent as ``site_metrics``) and
+#: when a site's result policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+SENT_METRICS = {"segmentation": {"train_loss": "scope", "train_iou": "scope", "train_steps": "scope"}}
+
 
 class MaskSource:
     """A split's masks (any id > 0 is foreground) handed out as 0/1 uint8 rows, read only when

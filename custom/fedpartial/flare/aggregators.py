@@ -18,9 +18,10 @@ from nvflare.app_common.abstract.model import ModelLearnableKey
 from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.algorithms.base import ServerContext, SiteUpdate
+from fedpartial.algorithms.registry import build_rule, rule_class
 from fedpartial.algorithms.robust import WEIGHT_RULES, UpdateScreen, trim_count
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE, atomic_write_json,
-                                     build_model_from_settings, build_rule, import_class, jsonable, model_settings)
+                                     build_model_from_settings, jsonable, model_settings)
 from fedpartial.metrics.segmentation import pooled_validation
 
 METRICS_FILE = "metrics.json"
@@ -58,7 +59,7 @@ def classifier_names(model: dict, rule: str) -> List[str]:
     """Names of the classifier parameters of the job's model block (built on the meta device:
     no weights are allocated). ``[]`` without a block, unless the rule needs them."""
     if not model:
-        if getattr(import_class(rule), "needs_classifier_names", False):
+        if getattr(rule_class("server", rule), "needs_classifier_names", False):
             raise ValueError(f"the aggregator's rule '{rule}' averages or checks the classifier parameters: "
                              f"give the aggregator the job's model block (\"model\": \"{{model}}\" in its args)")
         return []
@@ -72,7 +73,8 @@ class RuleAggregator(Aggregator):
     aggregates the rest with the method's server rule.
 
     Args:
-        rule: dotted path of the ServerRule class.
+        rule: the registered name of the method's server rule (``fedavg``, ``fedlsm``, ``fedmlp``,
+            ``fedirm``, ``fedia``: :mod:`fedpartial.algorithms.registry`).
         rule_args: its hyperparameters.
         model: the job's ``model`` block (``"{model}"``); it names the classifier parameters
             that class-wise rules (FedLSM, FedMLP, FedIRM) average and check. Required by those
@@ -92,7 +94,7 @@ class RuleAggregator(Aggregator):
         trim_fraction: for ``trimmed_mean``: floor(fraction x sites) values dropped at each end.
     """
 
-    def __init__(self, rule: str = "fedpartial.algorithms.fedavg.FedAvgServer", rule_args: dict = None,
+    def __init__(self, rule: str = "fedavg", rule_args: dict = None,
                  model: dict = None, min_valid_updates: int = 1, min_sites_for_shared_stats: int = 3,
                  cap_samples: bool = True, max_norm_ratio: float = 10.0, weight_rule: str = "mean",
                  trim_fraction: float = 0.2):
@@ -105,7 +107,7 @@ class RuleAggregator(Aggregator):
             raise ValueError(f"aggregator weight_rule '{weight_rule}' unknown; choose one of {WEIGHT_RULES}")
         trim_count(1, trim_fraction)  # raises for a fraction outside [0, 0.5)
         self.rule_path = rule
-        self.rule = build_rule(rule, rule_args)
+        self.rule = build_rule("server", rule, rule_args)
         self.classifier_names = classifier_names(model, rule)
         self.min_valid_updates = int(min_valid_updates)
         self.screen = UpdateScreen(cap_samples=cap_samples, max_norm_ratio=max_norm_ratio)

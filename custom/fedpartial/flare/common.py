@@ -1,7 +1,8 @@
 """Small FLARE-side helpers shared by the executor, aggregator and persistor."""
 from __future__ import annotations
 
-import importlib
+import functools
+import hashlib
 import json
 import math
 import os
@@ -17,52 +18,67 @@ SITE_METRICS = "site_metrics"
 SITE_TRAIN_SIZE = "site_train_size"
 
 
-def runtime_version_error(required: str, where: str) -> str:
+#: files of the package that make up the runtime's identity (the wheel ships exactly these)
+_NOT_HASHED = ("__main__.py",)
+
+
+@functools.lru_cache(maxsize=1)
+def runtime_identity() -> str:
+    """``<version>+sha256.<12 hex>``: the package version plus a hash of every ``.py`` file of
+    the installed ``fedpartial`` (path and content). Two installs run the same code exactly when
+    their identities agree: a site with edited or other files under the same version differs."""
+    import fedpartial
+
+    root = os.path.dirname(os.path.abspath(fedpartial.__file__))
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if not name.endswith(".py") or name in _NOT_HASHED:
+                continue
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).replace(os.sep, "/").encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read() + b"\0")
+    return f"{fedpartial.__version__}+sha256.{digest.hexdigest()[:12]}"
+
+
+def runtime_version_error(required: str, where: str, required_at_site: bool = False) -> str:
     """Why the installed fedpartial cannot run a job that needs runtime ``required`` ("" = fine).
 
-    Jobs packaged for an installed runtime name the version they were written for
-    (``package-job --installed-runtime``); a site or server with another version must refuse the
-    job at its start rather than train with different code than the other participants.
+    Jobs name the runtime they were packaged with (``package-job`` writes
+    :func:`runtime_identity`); a site or server with other code must refuse the job at its start
+    rather than train with different code than the other participants. A development site also
+    takes a bare version (no hash) that equals its version.
 
     Args:
-        required: the job's ``runtime_version`` ("" = the job names none: no check).
+        required: the job's ``runtime_version``.
         where: who checks, for the message (e.g. ``site 'site-1'`` or ``the server``).
+        required_at_site: a provisioned site or server: a job naming no version is refused.
     """
     import fedpartial
 
     required = str(required or "").strip()
-    if not required or required == fedpartial.__version__:
+    here = runtime_identity()
+    if not required:
+        if required_at_site:
+            return (f"{where} refuses the job: it names no 'runtime_version'; this site runs {here} and "
+                    f"accepts jobs packaged for it (package-job --installed-runtime writes it)")
         return ""
-    return (f"the job needs fedpartial runtime {required} but {where} has fedpartial {fedpartial.__version__} "
-            f"installed ({os.path.dirname(fedpartial.__file__)}); install fedpartial_runtime-{required} there "
-            f"or package the job for {fedpartial.__version__}")
+    if required == here:
+        return ""
+    if not required_at_site and "+" not in required and required == fedpartial.__version__:
+        return ""  # a development site also takes a bare version
+    return (f"the job needs fedpartial runtime {required} but {where} has fedpartial {here} "
+            f"installed ({os.path.dirname(fedpartial.__file__)}); install the runtime the job was packaged "
+            f"with there, or package the job for {here}")
 
 
 def runtime_description() -> str:
     """``fedpartial <version> from <folder>``: which code this process runs (logged at job start)."""
     import fedpartial
 
-    return f"fedpartial {fedpartial.__version__} from {os.path.dirname(os.path.abspath(fedpartial.__file__))}"
-
-
-def import_class(dotted: str):
-    """``"pkg.module.Class"`` -> the class; clear error naming the path when it is wrong."""
-    module_name, _, name = dotted.rpartition(".")
-    if not module_name:
-        raise ValueError(f"'{dotted}' is not a dotted class path like 'fedpartial.algorithms.fedavg.FedAvgServer'")
-    try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot import '{dotted}' named in the job config: {e}") from e
-
-
-def build_rule(dotted: str, rule_args: Dict[str, Any] | None):
-    """Instantiate a client or server rule from the job config."""
-    cls = import_class(dotted)
-    try:
-        return cls(**(rule_args or {}))
-    except TypeError as e:
-        raise ValueError(f"bad rule_args for {dotted}: {e}") from e
+    return f"fedpartial {runtime_identity()} from {os.path.dirname(os.path.abspath(fedpartial.__file__))}"
 
 
 def jsonable(value):

@@ -17,8 +17,10 @@ from nvflare.apis.signal import Signal
 from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.algorithms.base import ClientContext, RoundInput
+from fedpartial.algorithms.registry import build_rule
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE, build_model_from_settings,
-                                     build_rule, model_settings, runtime_description, runtime_version_error)
+                                     model_settings, runtime_description, runtime_version_error)
+from fedpartial.flare.site_config import confined, load_site_config, offered_data_root, SITE_CONFIG
 from fedpartial.training.common import (check_memory_format, load_state_numpy, place_model, select_device,
                                         state_dict_numpy)
 
@@ -34,19 +36,22 @@ def resolve_data_file(data_root: str, pattern: str, site: str) -> str:
     memory-mapped ``.npy`` files. A pattern naming a folder directly works too.
 
     Args:
-        data_root: the job's ``data_root``; empty = $FEDPARTIAL_DATA_ROOT.
-        pattern: the job's ``data_file`` (``{site}`` is replaced by the site name).
+        data_root: the dataset folder the site offers, or (development sites) the job's
+            ``data_root``; empty = $FEDPARTIAL_DATA_ROOT.
+        pattern: the job's ``data_file`` (``{site}`` is replaced by the site name); relative to
+            ``data_root``, never climbing out of it.
         site: this site's name.
 
     Raises:
-        ValueError: no data root is set.
+        ValueError: no data root is set, or the pattern is absolute or holds ``..``.
         FileNotFoundError: naming every candidate tried when none exists.
     """
     root = data_root or os.environ.get(DATA_ROOT_ENV, "")
     if not root:
         raise ValueError(f"site '{site}': no data root: set 'data_root' in the job's client config "
                          f"or the {DATA_ROOT_ENV} environment variable")
-    path = os.path.join(os.path.expanduser(root), pattern.format(site=site))
+    root = os.path.expanduser(root)
+    path = confined(root, pattern.format(site=site), "data_file", f"site '{site}'")
     if os.path.isfile(path) or os.path.isdir(path):
         return path
     candidates = [path]
@@ -94,34 +99,46 @@ def load_site_dataset(path: str, site: str, settings: dict):
 class FedPartialExecutor(Executor):
     """Runs a method's client rule for the tasks ``train``, ``validate`` and ``submit_model``.
 
+    Where the data is, is the site's decision (:mod:`fedpartial.flare.site_config`): at a
+    provisioned site the job names one of the datasets the site offers in ``dataset``; ``data_root``
+    and ``reference_file`` are for development sites (simulator, POC) only.
+
     Args:
-        rule: dotted path of the ClientRule class (e.g. ``fedpartial.algorithms.fedlsm.FedLSMClient``).
+        rule: the registered name of the method's client rule (``fedavg``, ``fedavg_seg``, ``fedlsm``,
+            ``fedmlp``, ``fedirm``, ``fedia``: :mod:`fedpartial.algorithms.registry`).
         rule_args: the rule's hyperparameters.
         model: the job's model block (arch, arch_args, in_channels, class_names, task, input_size,
             normalisation); the same block configures the server's persistor.
-        data_root: folder holding the site files; empty = $FEDPARTIAL_DATA_ROOT.
-        data_file: file name pattern under ``data_root``; ``{site}`` is the site name.
-        reference_file: pattern of the complete-label copy, read ONLY when set (diagnostics such as
-            pseudo-label precision); method jobs leave it empty.
+        dataset: the name of a dataset the site offers (``local/fedpartial_site.json``); required
+            at a provisioned site, unused at a development site.
+        data_root: development sites only: folder holding the site files; empty =
+            $FEDPARTIAL_DATA_ROOT. A provisioned site refuses a job that sets it.
+        data_file: file name pattern under the dataset folder; ``{site}`` is the site name.
+            Relative, without ``..``.
+        reference_file: development sites only: pattern of the complete-label copy, read ONLY when
+            set (diagnostics such as pseudo-label precision); method jobs leave it empty.
         device: ``auto`` (CUDA when present), ``cpu`` or ``cuda:N``.
         memory_format: ``contiguous`` (default) or ``channels_last``: the layout the model trains in
             (see ``fedpartial.training.common.place_model``; on CPU channels_last is 1.2-1.6x faster
             for the methods with affine views, but a seeded run no longer repeats a contiguous one).
         seed: base seed; each site and round derives its own (``training.common.round_seed``).
         key_metric: validation metric reported to the server for best-model selection.
-        state_dir: where per-site state lives; empty = ``<site workspace>/fedpartial_state/<job id>``.
+        state_dir: where per-site state lives, relative to the job's run folder (absolute paths and
+            ``..`` are refused); empty = ``<site workspace>/fedpartial_state/<job id>``.
         tensorboard: write per-round metrics as TensorBoard events in the site's run folder.
         analytics_writer: component id of an NVFlare analytics writer (``TBWriter``) that streams
             the same per-round scalars to the server (with ``ConvertToFedEvent`` on the site and
             ``TBAnalyticsReceiver`` on the server, every site's curves land in the server's
             ``tb_events/<site>``); "" = local files only.
         train_task_name / submit_model_task_name / validate_task_name: FLARE task names.
-        runtime_version: the fedpartial version the job was packaged for (``package-job`` fills it
-            in); a site whose installed fedpartial differs refuses the job at its start. "" = no check.
+        runtime_version: the runtime the job was packaged for (``package-job`` writes
+            :func:`fedpartial.flare.common.runtime_identity`: version and content hash); a site whose
+            installed fedpartial differs refuses the job at its start, and a provisioned site refuses
+            a job that names none.
     """
 
-    def __init__(self, rule: str = "fedpartial.algorithms.fedavg.SupervisedClient", rule_args: dict = None,
-                 model: dict = None, data_root: str = "", data_file: str = "{site}.npz", reference_file: str = "",
+    def __init__(self, rule: str = "fedavg", rule_args: dict = None,
+                 model: dict = None, dataset: str = "", data_root: str = "", data_file: str = "{site}.npz", reference_file: str = "",
                  device: str = "auto", seed: int = 0, key_metric: str = "auc", state_dir: str = "",
                  tensorboard: bool = True, train_task_name: str = AppConstants.TASK_TRAIN,
                  submit_model_task_name: str = AppConstants.TASK_SUBMIT_MODEL,
@@ -132,9 +149,11 @@ class FedPartialExecutor(Executor):
         self.memory_format = check_memory_format(memory_format)  # at job load, not at the first task
         self.rule_path, self.rule_args = rule, dict(rule_args or {})
         self.settings = model_settings(model or {})
-        self.data_root, self.data_file, self.reference_file = data_root, data_file, reference_file
+        self.dataset, self.data_root = str(dataset or ""), str(data_root or "")
+        self.data_file, self.reference_file = str(data_file), str(reference_file or "")
+        self.state_dir = str(state_dir or "")
         self.device_name, self.seed, self.key_metric = device, int(seed), key_metric
-        self.state_dir, self.tensorboard = state_dir, tensorboard
+        self.tensorboard = tensorboard
         self.analytics_writer_id, self.analytics, self._analytics_failed = str(analytics_writer or ""), None, False
         self._log = self.logger.warning
         self.train_task_name, self.submit_model_task_name = train_task_name, submit_model_task_name
@@ -163,23 +182,35 @@ class FedPartialExecutor(Executor):
 
     def _setup(self, fl_ctx: FLContext):
         self.site = fl_ctx.get_identity_name()
-        wrong_runtime = runtime_version_error(self.runtime_version, f"site '{self.site}'")
-        if wrong_runtime:
-            raise ValueError(wrong_runtime)
+        where = f"site '{self.site}'"
         engine = fl_ctx.get_engine()
         job_id = fl_ctx.get_job_id()
         workspace = engine.get_workspace()
         run_dir = workspace.get_run_dir(job_id)
+        site_config = load_site_config(workspace.get_root_dir())
+        wrong_runtime = runtime_version_error(self.runtime_version, where, required_at_site=site_config is not None)
+        if wrong_runtime:
+            raise ValueError(wrong_runtime)
+        # every check that can refuse the job comes before anything is read or written
+        if site_config is not None:
+            data_root = offered_data_root(site_config, self.dataset, self.data_root, self.reference_file, where)
+        else:
+            data_root = self.data_root or os.environ.get(DATA_ROOT_ENV, "")
+            self.log_warning(fl_ctx, f"{where} has no local/{SITE_CONFIG} in its kit: "
+                                     f"development site, reading the job's data_root / ${DATA_ROOT_ENV} "
+                                     f"('{data_root}')")
+        if self.state_dir:
+            state_dir = confined(run_dir, self.state_dir, "state_dir", where)
+        else:
+            state_dir = os.path.join(workspace.get_root_dir(), "fedpartial_state", str(job_id))
+        state_dir = os.path.join(state_dir, self.site)
+        data_path = resolve_data_file(data_root, self.data_file, self.site)
+        reference_path = resolve_data_file(data_root, self.reference_file, self.site) if self.reference_file else ""
+        rule = build_rule("client", self.rule_path, self.rule_args)
         torch.set_num_threads(max(1, int(os.environ.get("FEDPARTIAL_THREADS", torch.get_num_threads()))))
         self.device = select_device(self.device_name)
-        data_path = resolve_data_file(self.data_root, self.data_file, self.site)
         self.data = load_site_dataset(data_path, self.site, self.settings)
-        reference = None
-        if self.reference_file:
-            ref_path = resolve_data_file(self.data_root, self.reference_file, self.site)
-            reference = load_site_dataset(ref_path, self.site, self.settings)
-        state_dir = self.state_dir or os.path.join(workspace.get_root_dir(), "fedpartial_state", str(job_id))
-        state_dir = os.path.join(state_dir, self.site)
+        reference = load_site_dataset(reference_path, self.site, self.settings) if reference_path else None
         os.makedirs(state_dir, exist_ok=True)
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -192,7 +223,7 @@ class FedPartialExecutor(Executor):
                                  f"config with add_scalar (e.g. nvflare.app_opt.tracking.tb.tb_writer.TBWriter)")
         self._log = lambda msg: self.log_warning(fl_ctx, msg)
         self.model = place_model(build_model_from_settings(self.settings), self.device, self.memory_format)
-        self.rule = build_rule(self.rule_path, self.rule_args)
+        self.rule = rule
         self._abort_signal = None
         ctx = ClientContext(site=self.site, data=self.data, device=self.device, state_dir=state_dir, seed=self.seed,
                             log=lambda msg: self.log_info(fl_ctx, msg), add_scalar=self._add_scalar,

@@ -21,6 +21,7 @@ from nvflare.app_common.model_desc import ModelDescriptor
 from fedpartial.flare.aggregators import METRICS_FILE
 from fedpartial.flare.common import (GLOBAL_STATS, build_model_from_settings, model_file_meta, model_settings,
                                      runtime_description, runtime_version_error)
+from fedpartial.flare.site_config import confined, load_site_config
 from fedpartial.training.common import state_dict_numpy
 
 GLOBAL_MODEL_FILE = "global_model.pt"
@@ -40,8 +41,12 @@ class FedPartialPersistor(ModelPersistor):
             folder of a job lost in a server crash. The job starts from its weights and global
             statistics, and its ``metrics.json`` is carried over. The workflow's ``start_round``
             must be the file's round + 1 (``num_rounds`` then counts the rounds left).
-        runtime_version: the fedpartial version the job was packaged for (``package-job`` fills it
-            in); a server whose installed fedpartial differs stops the job at its start. "" = no check.
+        runtime_version: the runtime the job was packaged for (``package-job`` writes version and
+            content hash); a server whose installed fedpartial differs stops the job at its start, and
+            a provisioned server (its kit holds ``local/fedpartial_site.json``) stops a job naming none.
+
+    At a provisioned server, ``pretrained`` and ``resume_from`` are relative paths (the job's app
+    folder, then the server's workspace root; ``..`` refused): a job reads no other file there.
 
     The model block's ``pretrained`` (a weights file on the server, see
     :func:`fedpartial.models.pretrained.load_pretrained`) sets the body of the round-0 global
@@ -86,11 +91,14 @@ class FedPartialPersistor(ModelPersistor):
         """``model.pretrained`` -> an existing file. ``~`` is expanded; a relative path is looked
         up in the job's app folder (``app_server/``, for a file shipped with the job), then in the
         server's workspace root (the folder holding ``startup/``)."""
-        raw = os.path.expanduser(str(self.settings["pretrained"]))
-        if os.path.isabs(raw):
-            tried = [raw]
+        raw = str(self.settings["pretrained"])
+        workspace = fl_ctx.get_engine().get_workspace()
+        if self._provisioned(fl_ctx):
+            tried = [confined(workspace.get_app_dir(fl_ctx.get_job_id()), raw, "model.pretrained", "the server"),
+                     confined(workspace.get_root_dir(), raw, "model.pretrained", "the server")]
+        elif os.path.isabs(os.path.expanduser(raw)):
+            tried = [os.path.expanduser(raw)]
         else:
-            workspace = fl_ctx.get_engine().get_workspace()
             tried = [os.path.join(workspace.get_app_dir(fl_ctx.get_job_id()), raw),
                      os.path.join(workspace.get_root_dir(), raw)]
         for path in tried:
@@ -111,6 +119,8 @@ class FedPartialPersistor(ModelPersistor):
         from fedpartial.models.io import load_model_file
 
         path = self.resume_from
+        if self._provisioned(fl_ctx):
+            path = confined(fl_ctx.get_engine().get_workspace().get_root_dir(), path, "resume_from", "the server")
         if os.path.isdir(path):
             path = os.path.join(path, GLOBAL_MODEL_FILE)
         saved, meta = load_model_file(path)
@@ -145,10 +155,15 @@ class FedPartialPersistor(ModelPersistor):
         save_weights_file(os.path.join(self._dir(fl_ctx), GLOBAL_MODEL_FILE), learnable[ModelLearnableKey.WEIGHTS],
                           self.model.spec, model_file_meta(self.settings, **extra))
 
+    @staticmethod
+    def _provisioned(fl_ctx: FLContext) -> bool:
+        return load_site_config(fl_ctx.get_engine().get_workspace().get_root_dir()) is not None
+
     def handle_event(self, event_type: str, fl_ctx: FLContext):
         super().handle_event(event_type, fl_ctx)
         if event_type == EventType.START_RUN:
-            wrong_runtime = runtime_version_error(self.runtime_version, "the server")
+            wrong_runtime = runtime_version_error(self.runtime_version, "the server",
+                                                  required_at_site=self._provisioned(fl_ctx))
             if wrong_runtime:
                 # logged in full first: the panic reason alone may reach the log shortened
                 self.log_error(fl_ctx, wrong_runtime)
@@ -171,7 +186,9 @@ class FedPartialPersistor(ModelPersistor):
     def get_model(self, model_file: str, fl_ctx: FLContext) -> ModelLearnable:
         from fedpartial.models.io import load_model_file
 
-        model, _ = load_model_file(os.path.join(self._dir(fl_ctx), SERVER_MODELS.get(model_file, model_file)))
+        if model_file not in SERVER_MODELS:  # only this job's own files, never a path from the config
+            raise ValueError(f"model '{model_file}' is not one of the server's models {sorted(SERVER_MODELS)}")
+        model, _ = load_model_file(os.path.join(self._dir(fl_ctx), SERVER_MODELS[model_file]))
         return make_model_learnable(state_dict_numpy(model), {})
 
 

@@ -1,8 +1,11 @@
 """Site-side guards that a site's ``local/privacy.json`` applies to every job (see
 provisioning/privacy.json and docs/DEPLOYMENT.md "What leaves a site").
 
-* :class:`LocalModelGate` (a scope result filter): a site's locally trained model goes to the server
-  (and from there to its peers for cross-site evaluation) only when the site allows it.
+* :class:`LocalModelGate` (a scope filter, in BOTH the task data and the task result chain): model
+  weights leave the site only as the answer to a task that brought a model (a training round's
+  global model); any other result holding weights is withheld unless the site shares its local model.
+* :class:`fedpartial.flare.filters.SiteResultPolicy` (a scope result filter): every key of every
+  result is on an allow-list, and counts from fewer than ``min_count`` samples are withheld.
 * :class:`FedEventGuard` (a privacy.json component): only allowed federated events leave the site,
   and of the analytics events (TensorBoard curves) only scalars whose tag is on the site's list.
 
@@ -11,47 +14,142 @@ FLARE's scope filters see task data and task results only; analytics travel as f
 privacy.json component is added to every job's run after the job's own components and before
 FLARE's ``ClientFedEventRunner`` widget, so it sees each outgoing federated event first; it stops one
 by marking it as not outgoing (the runner sends only events whose direction header is ``out``).
+
+The shipped policy has one scope, ``default``, which every job gets. A site that agrees to send its
+locally trained model (cross-site evaluation of site models) adds a scope of its own to its
+``local/privacy.json``; a job then asks for it with ``"scope": "share_local_model"`` in its
+``meta.json`` (a job naming a scope the site lacks is refused)::
+
+    {"name": "share_local_model",
+     "task_data_filters": [
+       {"path": "fedpartial.flare.site_policy.LocalModelGate", "args": {"share_local_model": true}}],
+     "task_result_filters": [
+       {"path": "fedpartial.flare.site_policy.LocalModelGate", "args": {"share_local_model": true}},
+       {"path": "fedpartial.flare.filters.SiteResultPolicy", "args": {"min_count": 5}}]}
 """
 from __future__ import annotations
 
 import fnmatch
+import numbers
 from typing import List, Optional
 
+import numpy as np
 from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE, AnalyticsDataType, TrackConst
-from nvflare.apis.dxo import from_shareable
+from nvflare.apis.dxo import DXO, DataKind, from_dict, from_shareable
 from nvflare.apis.event_type import EventType
 from nvflare.apis.filter import Filter
 from nvflare.apis.fl_component import FLComponent
 from nvflare.apis.fl_constant import EventScope, FedEventHeader, FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
-from nvflare.apis.shareable import Shareable, make_reply
-from nvflare.app_common.app_constant import AppConstants
+from nvflare.apis.shareable import ReservedHeaderKey, Shareable, make_reply
 
 #: the direction header value that keeps an event on the site (anything but "out" is not sent)
 WITHHELD = "withheld_by_site_policy"
+#: fl_ctx property the gate's task-data half leaves for its result half: ``{"task_id", "model"}``
+TASK_RECEIVED_MODEL = "fedpartial.task_received_model"
+#: DXO kinds that are model weights by their kind alone
+WEIGHT_KINDS = (DataKind.WEIGHTS, DataKind.WEIGHT_DIFF, DataKind.FL_MODEL)
+
+
+def holds_arrays(value) -> bool:
+    """Whether ``value`` (DXO data, recursively) holds anything that can carry weights: an array or
+    tensor with at least one dimension, a non-empty list / tuple, or raw bytes. Scalars do not.
+
+    Args:
+        value: a DXO's data or part of it.
+    """
+    if isinstance(value, dict):
+        return any(holds_arrays(v) for v in value.values())
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return len(value) > 0
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return len(tuple(shape)) > 0
+    return not (value is None or isinstance(value, (numbers.Number, str, np.generic)))
+
+
+def carries_weights(dxo: DXO) -> bool:
+    """Whether a DXO carries model weights: kind WEIGHTS / WEIGHT_DIFF / FL_MODEL with data, a
+    COLLECTION holding such a DXO, or any DXO whose data holds arrays (:func:`holds_arrays`).
+
+    Args:
+        dxo: the DXO of a task's data or result.
+    """
+    data = dxo.data or {}
+    if dxo.data_kind in WEIGHT_KINDS and data:
+        return True
+    if dxo.data_kind == DataKind.COLLECTION:
+        for item in data.values():
+            if isinstance(item, DXO) and carries_weights(item):
+                return True
+            if isinstance(item, dict):
+                try:
+                    if carries_weights(from_dict(item)):
+                        return True
+                except Exception:  # not an encoded DXO: judged by its content below
+                    pass
+    return holds_arrays(data)
+
+
+def shareable_carries_weights(shareable: Shareable) -> bool:
+    """:func:`carries_weights` of a task's data or result; a Shareable that is no DXO is judged by
+    its content outside the headers (:func:`holds_arrays`).
+
+    Args:
+        shareable: task data or task result.
+    """
+    try:
+        dxo = from_shareable(shareable)
+    except Exception:  # e.g. the submit_model request: headers only
+        return holds_arrays({k: v for k, v in shareable.items() if k != ReservedHeaderKey.HEADERS})
+    return carries_weights(dxo)
 
 
 class LocalModelGate(Filter):
-    """Scope result filter: answers the ``submit_model`` task (the local model for cross-site
-    evaluation) with EMPTY_RESULT unless the site shares its local model. Other tasks pass.
+    """Scope filter: model weights leave the site only as the answer to a task whose incoming data
+    brought a model (a training round's global model, a model to validate); any other result that
+    carries weights (:func:`carries_weights`: the ``submit_model`` answer under whatever task name a
+    job gives it) is answered with EMPTY_RESULT unless the site shares its local model.
+
+    The decision is by content, never by task name, so list the class in BOTH chains of the scope:
+    ``task_data_filters`` (remembers, in the task's FLContext, whether this task brought a model)
+    and ``task_result_filters`` (decides). FLARE's client runner passes one FLContext through the
+    data filters, the executor and the result filters of a task, and a new one to the next task.
+    Without the data-filter half every result carrying weights is withheld.
 
     Args:
-        share_local_model: False (default): the local model never leaves the site.
-        submit_model_task: the task name of the local-model request.
+        share_local_model: False (default): weights leave only as the answer to a task that
+            brought a model. True: any result may carry weights.
     """
 
-    def __init__(self, share_local_model: bool = False, submit_model_task: str = AppConstants.TASK_SUBMIT_MODEL):
+    def __init__(self, share_local_model: bool = False):
         super().__init__()
         if not isinstance(share_local_model, bool):
             raise ValueError(f"LocalModelGate share_local_model must be true or false, got {share_local_model!r}")
         self.share_local_model = share_local_model
-        self.submit_model_task = submit_model_task
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
-        task = fl_ctx.get_prop(FLContextKey.TASK_NAME, "")
-        if task != self.submit_model_task or self.share_local_model:
+        task_id = fl_ctx.get_prop(FLContextKey.TASK_ID)
+        if str(fl_ctx.get_prop(FLContextKey.FILTER_DIRECTION, "")).lower() == "in":
+            model = shareable_carries_weights(shareable)
+            fl_ctx.set_prop(TASK_RECEIVED_MODEL, {"task_id": task_id, "model": model}, private=True, sticky=False)
             return shareable
-        self.log_info(fl_ctx, f"local model withheld: this site's policy does not share it (task '{task}')")
+        if self.share_local_model or not shareable_carries_weights(shareable):
+            return shareable
+        received = fl_ctx.get_prop(TASK_RECEIVED_MODEL)
+        if isinstance(received, dict) and received.get("task_id") == task_id and received.get("model") is True:
+            return shareable
+        site = fl_ctx.get_identity_name() or "?"
+        task = fl_ctx.get_prop(FLContextKey.TASK_NAME, "?")
+        if not isinstance(received, dict):
+            self.log_error(fl_ctx, f"site '{site}': the result of task '{task}' carries model weights and is withheld: "
+                                   f"LocalModelGate is not in this scope's task_data_filters, so no task is known "
+                                   f"to have brought a model")
+        else:
+            self.log_info(fl_ctx, f"site '{site}': the result of task '{task}' withheld: it carries model weights "
+                                  f"but the task brought no model, and this site does not share its local model")
         return make_reply(ReturnCode.EMPTY_RESULT)
 
 

@@ -1,0 +1,252 @@
+"""The red-team suite: a lead's jobs WITHOUT code against a provisioned one-machine system whose kits
+are exactly as provisioned (``SitePolicyBuilder`` defaults: exact component allow-list, no byoc, no
+log streaming, the shipped ``privacy.json``, each site offering one dataset, ``demo``).
+
+Each attack is a job the lead submits; each must be refused at deployment or fail at its start
+with a reason naming what was refused, and nothing may reach the server or a peer: no marker
+file, no local model, no site log, no statistic below the sites' minimum count. A control job in
+the same system completes. The sites run the checkout's runtime (the venv's fedpartial), as in the
+rehearsal of docs/DEPLOYMENT.md §2.4.
+
+One system per module; the finalizer kills every process it started, even on failure.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedpartial_tools import admin, processes, provision
+from fedpartial_tools.jobtools import package_job
+
+from test_provisioned import CLASSES, _write_sites
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"),
+              pytest.mark.xdist_group("deployment")]
+SITES = ["site-1", "site-2"]
+DATASET = "demo"
+OVERRIDES = ["num_rounds=1", "server.min_clients=2", f"model.class_names={json.dumps(CLASSES)}",
+             "model.input_size=[16,16]", "model.in_channels=3", "model.arch_args.width=8",
+             "rule_args.batch_size=16", "device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def system(tmp_path_factory):
+    root = tmp_path_factory.mktemp("red_team")
+    env = provision.kit_env(str(root))
+    offered, other = root / "offered", root / "other_study"
+    for folder in (offered, other):
+        folder.mkdir()
+        _write_sites(folder, np.random.default_rng(0))
+    procs = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", env["HOME"])
+        mp.setenv("TMPDIR", env["TMPDIR"])
+        mp.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
+        # the kits as a consortium provisions them: SitePolicyBuilder with project.yml's arguments
+        project = provision.localhost_project("red_team", provision.free_port(), SITES, site_policy={
+            "allow_byoc": False, "privacy_file": str(REPO / "provisioning" / "privacy.json"),
+            "datasets": {DATASET: str(offered)}})
+        prod = Path(provision.provision(provision.write_project(str(root / "project.yml"), project),
+                                        str(root / "provision"), env=env))
+        provision.keep_server_storage_in(str(prod / "localhost"), str(root / "storage"))
+        try:
+            procs.append(processes.start_kit(str(prod / "localhost"), str(root / "server.console.log"), env))
+            kits = {role: kit for kit, role in admin.admin_kits(str(prod)).items()}
+            session = admin.new_admin_session(kits["project_admin"], timeout=60)
+            for site in SITES:
+                procs.append(processes.start_kit(str(prod / site), str(root / f"{site}.console.log"), env))
+            admin.wait_for_clients(session, SITES, timeout=90)
+            session.close()
+            yield {"root": root, "prod": prod, "kits": kits, "other": other, "storage": root / "storage"}
+        finally:
+            for proc in reversed(procs):
+                processes.stop_group(proc, grace=2.0)
+            processes.kill_workspace_processes(str(root))
+            left = processes.live_workspace_processes(str(root))
+            assert not left, f"processes left behind: {left}"
+
+
+def _job(tmp_path, name, overrides=(), job="fedavg", **kwargs) -> Path:
+    kwargs.setdefault("dataset", DATASET)
+    return Path(package_job(str(REPO / "jobs" / job), str(tmp_path / name), OVERRIDES + list(overrides),
+                            with_code=False, name=name, **kwargs))
+
+
+def _edit(job: Path, side: str, change) -> None:
+    path = job / "app" / "config" / f"config_fed_{side}.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config, indent=1))
+
+
+def _run(system, tmp_path, job: Path, timeout=180) -> dict:
+    session = admin.new_admin_session(system["kits"]["lead"], timeout=30)
+    try:
+        return admin.run_job(session, str(job), str(tmp_path / "download"), timeout=timeout, log=lambda m: None)
+    finally:
+        session.close()
+
+
+def _logs(system, job_id) -> dict:
+    """Every participant's log of the job, and the server's main log."""
+    out = {}
+    for kit in ("localhost", *SITES):
+        path = system["prod"] / kit / job_id / "log.txt"
+        out[kit] = path.read_text(errors="replace") if path.is_file() else ""
+    out["server_main"] = (system["prod"] / "localhost" / "log.txt").read_text(errors="replace")
+    return out
+
+
+def _no_marker(system, tmp_path):
+    hits = [p for base in (system["root"], tmp_path) for p in base.rglob("pwned*")]
+    assert not hits, f"the attack's command ran: {hits}"
+
+
+def _failed(result):
+    assert result["status"] != "FINISHED:COMPLETED" and not result["global_model"], result["status"]
+
+
+# ---- 1. code from configs --------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_rule_naming_a_command_runs_nothing_at_the_sites(system, tmp_path):
+    marker = tmp_path / "pwned_site"
+
+    def attack(config):
+        args = config["executors"][0]["executor"]["args"]
+        args["rule"], args["rule_args"] = "subprocess.run", {"args": ["sh", "-c", f"id > {marker}"]}
+    job = _job(tmp_path, "rule_cmd")
+    _edit(job, "client", attack)
+    result = _run(system, tmp_path, job)
+    _failed(result)
+    logs = _logs(system, result["job_id"])
+    for site in SITES:
+        assert "the job's client 'rule' 'subprocess.run' is not a registered client rule" in logs[site], site
+    _no_marker(system, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_rule_naming_a_command_runs_nothing_at_the_server(system, tmp_path):
+    marker = tmp_path / "pwned_server"
+
+    def attack(config):
+        aggregator = next(c for c in config["components"] if c["id"] == "aggregator")
+        aggregator["args"]["rule"] = "subprocess.run"
+        aggregator["args"]["rule_args"] = {"args": ["sh", "-c", f"id > {marker}"]}
+    job = _job(tmp_path, "server_rule_cmd")
+    _edit(job, "server", attack)
+    result = _run(system, tmp_path, job)
+    _failed(result)
+    assert "'subprocess.run' is not a registered server rule" in _logs(system, result["job_id"])["localhost"]
+    _no_marker(system, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side, path, args", [
+    # a runtime function, admitted by a "fedpartial." prefix; FLARE would call it with the args
+    ("client", "fedpartial.algorithms.registry.build_rule", {"side": "client", "name": "fedavg"}),
+    ("server", "fedpartial.flare.common.atomic_write_json", {"path": "pwned_json", "obj": {}}),
+    # a test-only recorder that writes pickles wherever a config says
+    ("client", "fedpartial.flare.filters.MessageRecorder", {"folder": "pwned_recorder"}),
+    # FLARE's log streamer (on FLARE's default list) and peer-to-peer controllers
+    ("client", "nvflare.app_common.logging.job_log_streamer.JobLogStreamer", {}),
+    ("server", "nvflare.app_common.workflows.cyclic_ctl.CyclicController", {}),
+    ("client", "nvflare.app_common.ccwf.swarm_client_ctl.SwarmClientController", {}),
+])
+def test_components_off_the_allow_list_are_refused(system, tmp_path, side, path, args):
+    job = _job(tmp_path, "component")
+    _edit(job, side, lambda config: config["components"].append({"id": "attack", "path": path, "args": args}))
+    result = _run(system, tmp_path, job)
+    _failed(result)
+    logs = _logs(system, result["job_id"])
+    where = ["localhost"] if side == "server" else SITES
+    seen = "\n".join(logs[w] for w in where) + logs["server_main"]
+    assert f"Component '{path}'" in seen and "is not in allow_list" in seen, path
+    _no_marker(system, tmp_path)
+
+
+# ---- 2. data and writes: the site decides -------------------------------------------------------
+@pytest.mark.slow
+def test_a_job_pointing_at_data_the_site_did_not_offer_is_refused(system, tmp_path):
+    job = _job(tmp_path, "other_data", dataset=None, data_root=str(system["other"]))
+    result = _run(system, tmp_path, job)
+    _failed(result)
+    logs = _logs(system, result["job_id"])
+    for site in SITES:
+        assert f"site '{site}' refuses the job: it sets 'data_root' ('{system['other']}')" in logs[site]
+        assert f"offers the datasets: {DATASET}" in logs[site]
+        assert "training images from" not in logs[site]  # no image was read
+
+
+@pytest.mark.slow
+def test_a_job_writing_outside_its_run_folder_is_refused(system, tmp_path):
+    target = tmp_path / "pwned_state"
+    job = _job(tmp_path, "state_out", [f"client.state_dir={json.dumps(str(target))}"])
+    result = _run(system, tmp_path, job)
+    _failed(result)
+    logs = _logs(system, result["job_id"])
+    for site in SITES:
+        assert f"its 'state_dir' ('{target}') must be a path relative to" in logs[site]
+    assert not target.exists()
+    kit_local = system["prod"] / "site-1" / "local"
+    job2 = _job(tmp_path, "state_kit", ['client.state_dir="../local"'])
+    result = _run(system, tmp_path, job2)
+    _failed(result)
+    assert "its 'state_dir' ('../local')" in _logs(system, result["job_id"])["site-1"]
+    assert not (kit_local / "site-1").exists()
+
+
+@pytest.mark.slow
+def test_a_job_naming_no_runtime_version_is_refused(system, tmp_path):
+    job = _job(tmp_path, "no_version", runtime_version="")
+    result = _run(system, tmp_path, job)
+    _failed(result)
+    logs = _logs(system, result["job_id"])
+    assert "refuses the job: it names no 'runtime_version'" in logs["localhost"] + logs["site-1"] + logs["site-2"]
+
+
+# ---- 3. what leaves a site ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_renamed_submit_task_gets_no_local_model_and_logs_stay_at_the_sites(system, tmp_path):
+    """Cross-site evaluation under another task name: the sites' gate withholds their local models
+    by content. The job completes (it is the control too): the site offered data is read."""
+    def rename_client(config):
+        config["executors"][0]["tasks"] = ["train", "validate", "get_weights"]
+        config["executors"][0]["executor"]["args"]["submit_model_task_name"] = "get_weights"
+
+    def rename_server(config):
+        cross = next(w for w in config["workflows"] if w["id"] == "cross_site_validate")
+        cross["args"]["submit_model_task_name"] = "get_weights"
+    job = _job(tmp_path, "renamed_submit")
+    _edit(job, "client", rename_client)
+    _edit(job, "server", rename_server)
+    result = _run(system, tmp_path, job)
+    assert result["status"] == "FINISHED:COMPLETED", result["status"]
+    assert result["global_model"]
+    cross = json.loads(Path(result["cross_site_val"]).read_text())
+    for site, models in cross.items():  # only the server's models were validated: no site model left
+        assert all(name.startswith("SRV_") for name in models), models
+    logs = _logs(system, result["job_id"])
+    for site in SITES:
+        assert f"site '{site}'" in logs[site] and "training images from" in logs[site]
+    # no site log reached the server's job store (log streaming is off in the kits)
+    downloaded = [p.name for p in Path(result["result_dir"]).rglob("*") if p.is_file()]
+    assert not [n for n in downloaded if n in ("error_log.txt",) or n.startswith("site-")], downloaded
+    stored = [p for p in system["storage"].rglob("*") if "site-1" in p.name and "log" in p.name]
+    assert not stored, stored
+
+
+@pytest.mark.slow
+def test_an_admin_of_another_org_cannot_read_a_sites_files(system):
+    """admin@hospital-a.org (project_admin) at site-2 (hospital_b): no shell commands."""
+    session = admin.new_admin_session(system["kits"]["project_admin"], timeout=30)
+    try:
+        with pytest.raises(Exception) as err:
+            reply = session.cat_target("site-2", file="log.txt")
+            raise AssertionError(f"cat answered: {reply[:200]}")
+        assert "not authorized" in str(err.value).lower() or "authoriz" in str(err.value).lower(), err.value
+        # its own org's site still answers (the right exists, for the site's own people)
+        assert session.ls_target("site-1") is not None
+    finally:
+        session.close()
