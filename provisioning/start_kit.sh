@@ -32,8 +32,8 @@ PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
   || { echo "error: '$PYTHON' cannot import nvflare, torch and monai; activate the venv or set PYTHON" >&2; exit 2; }
 PYTHON="$("$PYTHON" -c 'import sys; print(sys.executable)')"
 export PATH="$(dirname "$PYTHON"):$PATH"
-"$PYTHON" -c "import fedpartial, os; print(f'fedpartial runtime {fedpartial.__version__} installed '
-              f'({os.path.dirname(fedpartial.__file__)})')" 2>/dev/null \
+"$PYTHON" -c "import fedpartial, os; from fedpartial.flare.common import runtime_identity as r; print(f'fedpartial runtime '
+              f'{r()} installed ({os.path.dirname(fedpartial.__file__)})')" 2>/dev/null \
   || echo "warning: '$PYTHON' has no fedpartial runtime installed: only jobs that carry their code (byoc) can run" >&2
 if [[ -n "$STORAGE" ]]; then
   [[ -f "$KIT/startup/fed_server.json" ]] || { echo "error: --storage is for the server kit" >&2; exit 2; }

@@ -292,7 +292,10 @@ class FedPartialRecipe(Recipe):
         server_rule_args: server rule arguments that override the profile's (and ``rule_args``).
         fit_to: a data root (site files or site folders): class names, task, channels and size from
             its first site.
-        data_root: where each site finds its data (default: the site's working directory).
+        data_root: development sites (simulator, POC): where each site finds its data (default: the
+            site's working directory). Provisioned sites refuse a job that names a path.
+        dataset: provisioned sites: the name of the dataset each site offers for this federation
+            (its kit's ``local/fedpartial_site.json``).
         with_code: carry the fedpartial package in ``app/custom`` (POC, simulator, and sites that grant
             bring-your-own-code).
         seed: the seed of the model's initialisation and each site's training.
@@ -312,11 +315,15 @@ class FedPartialRecipe(Recipe):
                  min_clients: Optional[int] = None, model: Optional[dict] = None, rule_args: Optional[dict] = None,
                  server_rule_args: Optional[dict] = None, fit_to: Optional[str] = None,
                  data_root: Optional[str] = None, with_code: bool = False, seed: int = 0,
-                 runtime_version: Optional[str] = None):
+                 runtime_version: Optional[str] = None, dataset: Optional[str] = None):
+        if data_root and dataset:
+            raise ValueError(f"{type(self).__name__}: give a dataset name (provisioned sites) or a data_root "
+                             f"(development sites), not both")
         self.profile = profile
         self.settings = self.profile_settings(profile, num_rounds=num_rounds, min_clients=min_clients, model=model,
                                               rule_args=rule_args, server_rule_args=server_rule_args, fit_to=fit_to)
         self.data_root, self.with_code, self.seed = data_root, bool(with_code), int(seed)
+        self.dataset = str(dataset or "")
         self.runtime_version = runtime_identity() if runtime_version is None else str(runtime_version)
         self._staging = None
         super().__init__(self._build_job(name or self.NAME))
@@ -383,7 +390,8 @@ class FedPartialRecipe(Recipe):
         executor = _spec(FedPartialExecutor, rule=self.CLIENT_RULE, model="{model}", data_root="{data_root}",
                          data_file=s["data_file"], device="{device}", memory_format="{memory_format}",
                          seed="{seed}", key_metric="{key_metric}", analytics_writer="analytics_writer",
-                         rule_args=_without_defaults("client", self.CLIENT_RULE, s["rule_args"]), **runtime)
+                         rule_args=_without_defaults("client", self.CLIENT_RULE, s["rule_args"]), **runtime,
+                         **({"dataset": self.dataset} if self.dataset else {}))
         job.to_clients(executor, id="executor", tasks=["train", "submit_model", "validate"])
         if self.preset():
             job.to_clients(_spec(StatisticsPrivacyFilter, preset=self.preset(), min_count=5),
