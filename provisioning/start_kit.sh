@@ -38,7 +38,7 @@ export PATH="$(dirname "$PYTHON"):$PATH"
 if [[ -n "$STORAGE" ]]; then
   [[ -f "$KIT/startup/fed_server.json" ]] || { echo "error: --storage is for the server kit" >&2; exit 2; }
   mkdir -p "$STORAGE"
-  "$PYTHON" -c "import sys; from fedpartial_tools.provision import keep_server_storage_in as k; print(k(sys.argv[1], sys.argv[2]))" \
+  "$PYTHON" -c "import sys; from fedpartial.site.kit import keep_server_storage_in as k; print(k(sys.argv[1], sys.argv[2]))" \
     "$KIT" "$(cd "$STORAGE" && pwd)" 2>/dev/null \
   || { SRC="$KIT/local/resources.json"; [[ -f "$SRC" ]] || SRC="$SRC.default"
        sed "s#/tmp/nvflare#$(cd "$STORAGE" && pwd)#g" "$SRC" > "$KIT/local/resources.json.tmp"

@@ -248,6 +248,19 @@ def _cmd_offer_dataset(args):
           f"{path}. A running kit reads it at each job's start.")
 
 
+def _cmd_site_bundle(args):
+    from fedpartial_tools.bundle import site_bundle
+
+    started = time.time()
+    for b in site_bundle(args.prod_dir, args.out, wheel=args.wheel, install_root=args.install_root,
+                         venv=args.venv, user=args.user):
+        top = {f: n for f, n in b["files"].items() if not f.startswith("kit" + os.sep)}
+        kit = sum(n for f, n in b["files"].items() if f.startswith("kit" + os.sep))
+        print(f"{b['path']} ({b['kind']}): kit/ {kit / 1024:.0f} KiB; "
+              + ", ".join(f"{f} {n / 1024:.0f} KiB" for f, n in sorted(top.items())))
+    print(f"bundles written in {time.time() - started:.1f} s; each folder's INSTALL.md says what to run")
+
+
 def _cmd_wait_sites(args):
     sites = args.site_names.split(",") if args.site_names else kit_sites(args.prod_dir)
     if not sites:
@@ -391,6 +404,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("root")
     s.add_argument("--wait", type=float, default=0, help="seconds to let them exit by themselves first")
     s.set_defaults(func=_cmd_stop_leftovers)
+    s = sub.add_parser("site-bundle", help="one folder per server / site kit of PROD_DIR with all it installs: "
+                                            "kit, runtime wheel, hashed locks (CPU, CUDA), systemd unit, INSTALL.md")
+    s.add_argument("prod_dir", help="a provisioned prod_NN folder")
+    s.add_argument("--out", required=True)
+    s.add_argument("--wheel", default=None, help="a wheel built before (default: build one into OUT/runtime)")
+    s.add_argument("--install-root", default="/opt/flare", help="where the kits go on the machines")
+    s.add_argument("--venv", default="/opt/fedpartial/venv", help="the venv the runtime goes to on the machines")
+    s.add_argument("--user", default="flare", help="the unprivileged OS user that runs each kit")
+    s.set_defaults(func=_cmd_site_bundle)
+
     s = sub.add_parser("offer-dataset", help="let jobs read a folder of site files under a name: adds NAME -> "
                                               "FOLDER to KIT/local/fedpartial_site.json (jobs then name it with "
                                               "package-job --dataset NAME)")

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from typing import Dict, List, Optional, Sequence
 
+from fedpartial.site.kit import keep_server_storage_in  # noqa: F401  (the site command's; tests use it here)
+
 # Admin users of the one-machine projects; roles decide rights (authorization.json.default):
 # project_admin = everything; lead = submit / manage own jobs, byoc; org_admin = manage own org's
 # sites, may not submit jobs and has no byoc right.
@@ -142,24 +144,14 @@ def latest_prod_dir(workspace: str, project_name: str) -> str:
     return prods[-1]
 
 
-def keep_server_storage_in(server_kit: str, root: str) -> str:
-    """Point the server's job store and snapshot store (default ``/tmp/nvflare/...``) into ``root``:
-    writes ``local/resources.json`` from ``local/resources.json.default``. Returns the file written."""
-    local = os.path.join(server_kit, "local")
-    src = os.path.join(local, "resources.json")
-    if not os.path.isfile(src):
-        src += ".default"
-    text = open(src).read().replace("/tmp/nvflare", os.path.abspath(root))
-    out = os.path.join(local, "resources.json")
-    with open(out, "w") as f:
-        f.write(text)
-    return out
 
 
 RUNTIME_DIST = "fedpartial_runtime"
 REPO_ROOT = os.path.dirname(TOOLS_ROOT)
 #: the hashed lock of every package a site or the server installs before the runtime wheel
 SITE_LOCK = "requirements-site.lock"
+#: the same for sites with an NVIDIA GPU (PyPI's CUDA build of torch and its nvidia-* packages)
+SITE_LOCK_CUDA = "requirements-site-cuda.lock"
 # wheel timestamps (zip entries): fixed, so the same source builds the same wheel, byte for byte
 WHEEL_EPOCH = "315532800"  # 1980-01-01, the earliest date a zip entry holds
 
@@ -230,6 +222,9 @@ description = "fedpartial runtime (executors, aggregators, persistor, methods) f
 requires-python = {json.dumps(project.get("requires-python", ">=3.10"))}
 dependencies = [{deps}]
 
+[project.scripts]
+fedpartial-site = "fedpartial.site.cli:main"
+
 [tool.setuptools.packages.find]
 include = ["fedpartial", "fedpartial.*"]
 """)
@@ -242,11 +237,16 @@ include = ["fedpartial", "fedpartial.*"]
     wheel = os.path.join(os.path.abspath(out_dir), f"{RUNTIME_DIST}-{version}-py3-none-any.whl")
     if not os.path.isfile(wheel):
         raise RuntimeError(f"pip wheel succeeded but wrote no '{wheel}'; found {os.listdir(out_dir)}")
-    lock = os.path.join(os.path.abspath(out_dir), SITE_LOCK)
-    if os.path.abspath(lock) != lock_file:
-        shutil.copyfile(lock_file, lock)
+    locks = [(lock_file, os.path.join(os.path.abspath(out_dir), SITE_LOCK))]
+    cuda = os.path.join(os.path.dirname(lock_file), SITE_LOCK_CUDA)
+    if os.path.isfile(cuda):
+        check_site_lock(cuda)
+        locks.append((cuda, os.path.join(os.path.abspath(out_dir), SITE_LOCK_CUDA)))
+    for src, dest in locks:
+        if os.path.abspath(dest) != os.path.abspath(src):
+            shutil.copyfile(src, dest)
     with open(wheel + ".sha256", "w") as f:  # sha256sum's format: "<hex>  <name>", names relative to out_dir
-        for path in (wheel, lock):
+        for path in [wheel] + [dest for _, dest in locks]:
             f.write(f"{sha256_file(path)}  {os.path.basename(path)}\n")
     return wheel
 
@@ -280,7 +280,7 @@ def verify_runtime(wheel: str) -> List[str]:
         if actual != digest.lower():
             raise ValueError(f"'{path}' has sha256 {actual}, but '{sums}' line {n} says {digest}: "
                              f"not the file that was built")
-        if name == SITE_LOCK:
+        if name in (SITE_LOCK, SITE_LOCK_CUDA):
             check_site_lock(path)
         checked.append(path)
     if wheel not in checked:
@@ -410,12 +410,14 @@ def lock_site_requirements(out: Optional[str] = None, requirements: Optional[str
     ``torch==2.13.0+cpu`` from a local folder (``pip config list``: find-links), whose sha256 the
     lock carries. A site installs it with that folder (``--find-links``) or PyTorch's CPU index
     (``--extra-index-url https://download.pytorch.org/whl/cpu``, whose file must have the same sha256).
-    A lock for CUDA sites is made the same way with the CUDA build and its index, e.g.::
+    The lock for CUDA sites, ``requirements-site-cuda.lock``, is PyPI's torch (the CUDA 13 build on
+    Linux x86_64) with the nvidia-* packages it needs, resolved without this machine's local folder::
 
-        python -m fedpartial_tools.deploy lock-site-requirements --out requirements-site-cu128.lock \\
-            --torch torch==2.13.0+cu128 --pip-arg=--extra-index-url=https://download.pytorch.org/whl/cu128
+        env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null python -m fedpartial_tools.deploy \\
+            lock-site-requirements --torch torch==2.13.0 --out requirements-site-cuda.lock
 
-    which also pins and hashes the nvidia-* packages that build needs.
+    (another CUDA build: its pin, e.g. ``torch==2.13.0+cu128``, and its index with
+    ``--pip-arg=--extra-index-url=...``).
 
     Args:
         out: the lock to write.
@@ -441,6 +443,7 @@ def lock_site_requirements(out: Optional[str] = None, requirements: Optional[str
         with open(report_file) as f:
             report = json.load(f)
     text = site_lock_text(report, direct, "python -m fedpartial_tools.deploy lock-site-requirements")
+    text = text.replace(SITE_LOCK, os.path.basename(out))  # the header names the file it is in
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + ".tmp", "w") as f:
         f.write(text)

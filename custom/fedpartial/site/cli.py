@@ -1,0 +1,154 @@
+"""``fedpartial-site``: the site operator's command, installed with the runtime wheel.
+
+    fedpartial-site start KIT [--storage DIR] [--foreground]   # the kit's restart loop
+    fedpartial-site stop KIT [--wait S]                         # and wait until every process is gone
+    fedpartial-site status KIT [--json]
+    fedpartial-site preflight KIT                               # exit 1 when a check fails
+    fedpartial-site cert-expiry KIT [--warn-days N] [--json]    # exit 1: expired or < N days left
+    fedpartial-site clean KIT --older-than DAYS [--dry-run]     # old job folders, never a running job's
+    fedpartial-site offer-dataset KIT NAME FOLDER               # which data jobs may read
+    fedpartial-site systemd-unit KIT [--user flare] [--storage DIR]
+
+Also ``python -m fedpartial.site.cli ...``. Errors are one line naming the kit or file (exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _cmd_start(args):
+    from fedpartial.site.kit import start
+
+    pid = start(args.kit, storage=args.storage, foreground=args.foreground)
+    print(f"started {os.path.basename(os.path.abspath(args.kit))} (restart loop pid {pid}, python {sys.executable}); "
+          f"log: {os.path.join(os.path.abspath(args.kit), 'log.txt')}")
+
+
+def _cmd_stop(args):
+    from fedpartial.site.kit import stop
+
+    killed = stop(args.kit, wait=args.wait)
+    for pid, cmd in sorted(killed.items()):
+        print(f"killed {pid}: {cmd[:120]}", file=sys.stderr)
+    print(f"stopped {os.path.basename(os.path.abspath(args.kit))}: no process of it is running")
+
+
+def _cmd_status(args):
+    from fedpartial.site.kit import status
+
+    info = status(args.kit)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return
+    datasets = info["datasets"]
+    print(f"{info['kind']} {info['name']} ({info['kit']}): {'running' if info['running'] else 'stopped'} "
+          f"({info['processes']} process(es))\n"
+          f"runtime     {info['runtime']}\n"
+          f"datasets    {', '.join(f'{k} -> {v}' for k, v in sorted(datasets.items())) if datasets else datasets}\n"
+          f"certificate {info['certificate_days_left']} days left\n"
+          f"job folders {info['job_folders']} ({info['job_bytes'] / 2 ** 20:.1f} MiB)\n"
+          f"last log    {info['last_log_line'][:160]}")
+
+
+def _cmd_preflight(args):
+    from fedpartial.site.kit import preflight
+
+    rows = preflight(args.kit, warn_days=args.warn_days)
+    for r in rows:
+        print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['check']:22s} {r['detail']}")
+    failed = [r["check"] for r in rows if not r["ok"]]
+    if failed:
+        print(f"{len(failed)} check(s) failed: {', '.join(failed)}")
+        raise SystemExit(1)
+
+
+def _cmd_cert_expiry(args):
+    from fedpartial.site.certs import expiry_report, format_report
+
+    rows = expiry_report(args.kit, warn_days=args.warn_days)
+    print(json.dumps(rows, indent=1) if args.json else format_report(rows, args.warn_days))
+    if any(r["status"] != "ok" for r in rows):
+        raise SystemExit(1)
+
+
+def _cmd_clean(args):
+    from fedpartial.site.kit import clean
+
+    gone = clean(args.kit, args.older_than, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for job in gone:
+        print(f"{verb} {job['path']} ({job['bytes'] / 2 ** 20:.1f} MiB)")
+    print(f"{verb} {len(gone)} job folder(s), {sum(j['bytes'] for j in gone) / 2 ** 20:.1f} MiB")
+
+
+def _cmd_offer_dataset(args):
+    from fedpartial.flare.site_config import offer_dataset
+
+    path = offer_dataset(args.kit, args.name, args.folder)
+    print(f"jobs may now name dataset '{args.name}' ({os.path.abspath(args.folder)}): {path}; a running kit "
+          f"reads it at each job's start")
+
+
+def _cmd_systemd_unit(args):
+    from fedpartial.site.kit import systemd_unit
+
+    print(systemd_unit(args.kit, user=args.user, storage=args.storage), end="")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedpartial-site", description="operate a fedpartial server or site kit")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("start", help="start the kit's restart loop (background; --foreground for systemd)")
+    s.add_argument("kit")
+    s.add_argument("--storage", default=None, help="server only: the job store (default /tmp/nvflare)")
+    s.add_argument("--foreground", action="store_true")
+    s.set_defaults(func=_cmd_start)
+    s = sub.add_parser("stop", help="stop the kit; wait until every process of it is gone")
+    s.add_argument("kit")
+    s.add_argument("--wait", type=float, default=60.0, help="seconds before the rest is killed (default 60)")
+    s.set_defaults(func=_cmd_stop)
+    s = sub.add_parser("status", help="running or not, runtime, datasets, certificate, job folders")
+    s.add_argument("kit")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_cmd_status)
+    s = sub.add_parser("preflight", help="check the kit before it goes live; exit 1 when a check fails")
+    s.add_argument("kit")
+    s.add_argument("--warn-days", type=float, default=30)
+    s.set_defaults(func=_cmd_preflight)
+    s = sub.add_parser("cert-expiry", help="certificate expiry; exit 1 when expired or under --warn-days")
+    s.add_argument("kit")
+    s.add_argument("--warn-days", type=float, default=30)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_cmd_cert_expiry)
+    s = sub.add_parser("clean", help="remove job folders older than --older-than days (never a running job's)")
+    s.add_argument("kit")
+    s.add_argument("--older-than", type=float, required=True, metavar="DAYS")
+    s.add_argument("--dry-run", action="store_true")
+    s.set_defaults(func=_cmd_clean)
+    s = sub.add_parser("offer-dataset", help="let jobs read FOLDER under NAME (local/fedpartial_site.json)")
+    s.add_argument("kit")
+    s.add_argument("name")
+    s.add_argument("folder")
+    s.set_defaults(func=_cmd_offer_dataset)
+    s = sub.add_parser("systemd-unit", help="print a systemd unit running the kit as an unprivileged user")
+    s.add_argument("kit")
+    s.add_argument("--user", default="flare")
+    s.add_argument("--storage", default=None)
+    s.set_defaults(func=_cmd_systemd_unit)
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""What a site's operator does with its startup kit, from the runtime wheel alone (no checkout):
+start and stop the kit, see its state, check it before going live, clean up old job folders, and
+write the systemd unit that runs it. The command line is :mod:`fedpartial.site.cli`
+(``fedpartial-site``); these are plain functions so that tests and the tooling use the same code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+from fedpartial.site.processes import kill_workspace_processes, live_workspace_processes
+
+#: a job folder of a kit is named by its job id (FLARE's uuid4)
+_JOB_ID_LENGTH = 36
+
+
+def kit_kind(kit: str) -> str:
+    """``server`` or ``site`` for a provisioned kit; a clear error for anything else.
+
+    Args:
+        kit: the kit's folder (holding ``startup/`` and ``local/``).
+    """
+    startup = os.path.join(kit, "startup")
+    if os.path.isfile(os.path.join(startup, "fed_server.json")):
+        return "server"
+    if os.path.isfile(os.path.join(startup, "fed_client.json")):
+        return "site"
+    raise FileNotFoundError(f"'{kit}' is not a server or site startup kit (no startup/fed_server.json or "
+                            f"startup/fed_client.json)")
+
+
+def kit_name(kit: str) -> str:
+    """The participant's name: the common name of its certificate (the kit's folder may be named
+    otherwise)."""
+    from fedpartial.site.certs import _cn, _load
+
+    startup = os.path.join(kit, "startup")
+    for cert in ("client.crt", "server.crt"):
+        if os.path.isfile(os.path.join(startup, cert)):
+            return _cn(_load(os.path.join(startup, cert)))
+    return os.path.basename(os.path.abspath(kit))
+
+
+def kit_env(python: Optional[str] = None, base: Optional[dict] = None) -> Dict[str, str]:
+    """The environment a kit runs in: ``python``'s folder first on PATH, since FLARE's
+    ``sub_start.sh`` runs ``python3`` from PATH (default: this interpreter, the venv the runtime
+    wheel is installed in)."""
+    env = dict(os.environ if base is None else base)
+    folder = os.path.dirname(os.path.abspath(python or sys.executable))
+    env["PATH"] = folder + os.pathsep + env.get("PATH", "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def daemon_pid(kit: str) -> Optional[int]:
+    """The pid of the kit's restart loop (``daemon_pid.fl``) when it is alive."""
+    try:
+        with open(os.path.join(kit, "daemon_pid.fl")) as f:
+            pid = int(f.read().strip())
+        os.kill(pid, 0)
+        return pid
+    except (OSError, ValueError):
+        return None
+
+
+def keep_server_storage_in(server_kit: str, root: str) -> str:
+    """Point the server's job store and snapshot store (default ``/tmp/nvflare/...``, lost on a
+    reboot) into ``root``: writes ``local/resources.json`` from itself or its ``.default``. Returns
+    the file written."""
+    local = os.path.join(server_kit, "local")
+    src = os.path.join(local, "resources.json")
+    if not os.path.isfile(src):
+        src += ".default"
+    with open(src) as f:
+        text = f.read().replace("/tmp/nvflare", os.path.abspath(root))
+    out = os.path.join(local, "resources.json")
+    with open(out, "w") as f:
+        f.write(text)
+    return out
+
+
+def start(kit: str, storage: Optional[str] = None, foreground: bool = False, python: Optional[str] = None) -> int:
+    """Start the kit's restart loop (FLARE's ``startup/sub_start.sh``), which restarts the FLARE
+    process if it dies.
+
+    Args:
+        kit: the kit's folder.
+        storage: server only: keep the job store and snapshots here instead of ``/tmp/nvflare``.
+        foreground: run the loop in this process (``exec``; what the systemd unit does) instead of
+            in the background in its own session.
+        python: the interpreter the kit runs (default: this one).
+
+    Returns:
+        the loop's pid (background), or never returns (foreground).
+
+    Raises:
+        RuntimeError: the kit is already running.
+    """
+    kit = os.path.abspath(kit)
+    kind = kit_kind(kit)
+    if storage:
+        if kind != "server":
+            raise ValueError(f"--storage is for the server kit; '{kit}' is a site kit")
+        os.makedirs(storage, exist_ok=True)
+        keep_server_storage_in(kit, storage)
+    running = daemon_pid(kit)
+    if running:
+        raise RuntimeError(f"'{kit}' is already running (restart loop pid {running})")
+    for flag in ("shutdown.fl", "daemon_pid.fl"):
+        if os.path.exists(os.path.join(kit, flag)):
+            os.remove(os.path.join(kit, flag))
+    env = kit_env(python)
+    cmd = ["bash", os.path.join(kit, "startup", "sub_start.sh")]
+    if foreground:
+        os.chdir(kit)
+        os.execvpe("bash", cmd, env)
+    with open(os.path.join(kit, "console.log"), "ab") as log:
+        proc = subprocess.Popen(cmd, cwd=kit, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc.pid
+
+
+def stop(kit: str, wait: float = 60.0) -> Dict[int, str]:
+    """Stop the kit and wait until every process it started is gone.
+
+    Asks the restart loop to stop (``shutdown.fl``: it ends the FLARE process and exits within about
+    10 s), waits up to ``wait`` s, then kills whatever of the kit is still running (its job
+    processes included). For a site, prefer the admin console's ``shutdown client`` when the server is
+    up: the server then knows the site left.
+
+    Args:
+        kit: the kit's folder.
+        wait: seconds to wait for a clean stop before killing.
+
+    Returns:
+        the processes that had to be killed (pid -> command line).
+
+    Raises:
+        RuntimeError: naming the processes that survived.
+    """
+    kit = os.path.abspath(kit)
+    kit_kind(kit)
+    if daemon_pid(kit) or live_workspace_processes(kit):
+        open(os.path.join(kit, "shutdown.fl"), "w").close()
+    killed = kill_workspace_processes(kit, wait=wait)
+    left = live_workspace_processes(kit)
+    if left:
+        raise RuntimeError(f"'{kit}': still running after stop: " +
+                           "; ".join(f"{pid} {cmd[:100]}" for pid, cmd in sorted(left.items())))
+    for flag in ("shutdown.fl", "daemon_pid.fl", "pid.fl"):
+        if os.path.exists(os.path.join(kit, flag)):
+            os.remove(os.path.join(kit, flag))
+    return killed
+
+
+def job_folders(kit: str) -> List[dict]:
+    """The job folders a kit holds: ``KIT/<job_id>/`` (FLARE's run folder: logs, TensorBoard, the
+    app) and ``KIT/fedpartial_state/<job_id>/`` (per-image state of the methods).
+
+    Returns:
+        ``[{"job_id", "path", "bytes", "modified"}]``, oldest first.
+    """
+    out = []
+    for base in (kit, os.path.join(kit, "fedpartial_state")):
+        if not os.path.isdir(base):
+            continue
+        for name in os.listdir(base):
+            path = os.path.join(base, name)
+            if len(name) != _JOB_ID_LENGTH or name.count("-") != 4 or not os.path.isdir(path):
+                continue
+            size, newest = 0, os.path.getmtime(path)
+            for folder, _, files in os.walk(path):
+                for f in files:
+                    try:
+                        st = os.stat(os.path.join(folder, f))
+                    except OSError:
+                        continue
+                    size, newest = size + st.st_size, max(newest, st.st_mtime)
+            out.append({"job_id": name, "path": path, "bytes": size, "modified": newest})
+    return sorted(out, key=lambda j: j["modified"])
+
+
+def running_job_ids(kit: str) -> set:
+    """Job ids whose processes run now (their command line names the job's folder)."""
+    ids = set()
+    for cmd in live_workspace_processes(kit).values():
+        for word in cmd.replace("/", " ").split():
+            if len(word) == _JOB_ID_LENGTH and word.count("-") == 4:
+                ids.add(word)
+    return ids
+
+
+def clean(kit: str, older_than_days: float, dry_run: bool = False, now: Optional[float] = None) -> List[dict]:
+    """Remove job folders not touched for ``older_than_days`` days; never a running job's.
+
+    Args:
+        kit: the kit's folder.
+        older_than_days: age (last modification of any file in the folder) above which a folder goes.
+        dry_run: list what would go, remove nothing.
+        now: the time to compare with (default: now).
+
+    Returns:
+        the folders removed (or that would be), as :func:`job_folders` rows.
+    """
+    if older_than_days < 0:
+        raise ValueError(f"older_than_days must be >= 0, got {older_than_days}")
+    kit_kind(kit)
+    limit = (now or time.time()) - older_than_days * 86400
+    running = running_job_ids(kit)
+    gone = [j for j in job_folders(kit) if j["modified"] < limit and j["job_id"] not in running]
+    if not dry_run:
+        for job in gone:
+            shutil.rmtree(job["path"])
+    return gone
+
+
+def status(kit: str) -> dict:
+    """What an operator checks first: running or not, the runtime, the datasets offered, the
+    certificate's days left, the job folders and their disk use, the last line of the log."""
+    from fedpartial.flare.common import runtime_identity
+    from fedpartial.flare.site_config import load_site_config
+    from fedpartial.site.certs import expiry_report
+
+    kit = os.path.abspath(kit)
+    kind = kit_kind(kit)
+    jobs = job_folders(kit)
+    cert = [r for r in expiry_report(kit) if r["kind"] != "root CA"]
+    last = ""
+    log = os.path.join(kit, "log.txt")
+    if os.path.isfile(log):
+        with open(log, "rb") as f:
+            f.seek(max(0, os.path.getsize(log) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+            last = lines[-1] if lines else ""
+    config = load_site_config(kit)
+    return {"kit": kit, "name": kit_name(kit), "kind": kind, "running": daemon_pid(kit) is not None,
+            "processes": len(live_workspace_processes(kit)), "runtime": runtime_identity(),
+            "datasets": None if config is None else config["datasets"],
+            "certificate_days_left": round(cert[0]["days_left"], 1) if cert else None,
+            "job_folders": len(jobs), "job_bytes": sum(j["bytes"] for j in jobs), "last_log_line": last}
+
+
+def preflight(kit: str, warn_days: float = 30) -> List[dict]:
+    """Checks to run before a kit goes live (and after every change): each
+    ``{"check", "ok", "detail"}``. Nothing is changed.
+
+    Args:
+        kit: the kit's folder.
+        warn_days: a certificate with fewer days left fails the check.
+    """
+    from fedpartial.flare.allowed import CLASS_ALLOW_LIST
+    from fedpartial.flare.common import runtime_identity
+    from fedpartial.flare.site_config import load_site_config
+    from fedpartial.site.certs import expiry_report
+
+    kit = os.path.abspath(kit)
+    kind = kit_kind(kit)
+    local = os.path.join(kit, "local")
+    out = []
+
+    def check(name, ok, detail):
+        out.append({"check": name, "ok": bool(ok), "detail": detail})
+
+    try:
+        import monai  # noqa: F401
+        import nvflare
+        import torch
+        check("python", True, f"{sys.executable}: nvflare {nvflare.__version__}, torch {torch.__version__}, "
+                              f"fedpartial {runtime_identity()}")
+    except ImportError as e:
+        check("python", False, f"{sys.executable} cannot import {e.name}: install the lock and the wheel")
+    rows = expiry_report(kit, warn_days=warn_days)
+    bad = [r for r in rows if r["status"] != "ok"]
+    check("certificates", not bad, "; ".join(f"{r['name']} ({r['kind']}): {r['days_left']:.0f} days left, "
+                                             f"{r['status']}" for r in rows))
+
+    def read(name):
+        path = os.path.join(local, name)
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            return e
+
+    resources = read("resources.json")
+    if isinstance(resources, Exception):
+        check("allow-list", False, f"local/resources.json: {resources}")
+    else:
+        allowed = resources.get("class_allow_list", [])
+        extra = sorted(set(allowed) - set(CLASS_ALLOW_LIST))
+        check("allow-list", not extra and resources.get("class_list_enforcement_mode", "enforce") == "enforce",
+              f"{len(allowed)} exact classes" + (f"; not the runtime's: {extra}" if extra else ""))
+        if kind == "site":
+            streaming = resources.get("allow_log_streaming", True)
+            check("logs stay here", streaming is False, "allow_log_streaming: false" if streaming is False else
+                  "allow_log_streaming is on: job logs go to the server")
+    authz = read("authorization.json")
+    if isinstance(authz, Exception):
+        check("no code with jobs", False, f"local/authorization.json: {authz}")
+    else:
+        roles = authz.get("permissions", {})
+        byoc = sorted(r for r, rights in roles.items() if not isinstance(rights, dict) or rights.get("byoc") != "none")
+        check("no code with jobs", not byoc, "no role has the byoc right" if not byoc else f"byoc for {byoc}")
+    try:
+        config = load_site_config(kit)
+        check("site configuration", config is not None, config["path"] if config else
+              "no local/fedpartial_site.json: this kit would run as a development site (job paths accepted)")
+    except ValueError as e:
+        check("site configuration", False, str(e))
+        config = None
+    if config is not None and kind == "site":
+        name = kit_name(kit)
+        for dataset, folder in sorted(config["datasets"].items()):
+            found = [p for p in (os.path.join(folder, f"{name}.npz"), os.path.join(folder, name)) if os.path.exists(p)]
+            check(f"dataset '{dataset}'", bool(found),
+                  found[0] if found else f"no {name}.npz or {name}/ in {folder}")
+        if not config["datasets"]:
+            check("datasets", False, "the site offers no dataset yet: fedpartial-site offer-dataset KIT NAME FOLDER")
+    if kind == "site":
+        privacy = read("privacy.json")
+        check("privacy policy", not isinstance(privacy, Exception),
+              "local/privacy.json" if not isinstance(privacy, Exception) else f"local/privacy.json: {privacy}")
+    free = shutil.disk_usage(kit).free
+    check("disk", free > 2 << 30, f"{free / 2 ** 30:.1f} GiB free in {kit}")
+    return out
+
+
+def systemd_unit(kit: str, user: str = "flare", python: Optional[str] = None, storage: Optional[str] = None) -> str:
+    """A systemd unit that runs the kit as the unprivileged ``user`` and brings it back after a
+    reboot or a crash.
+
+    Args:
+        kit: the kit's folder on the machine it runs on (absolute).
+        user: the OS user that owns the kit (never root: the kit holds the site's private key and
+            its jobs read the site's data).
+        python: the venv's interpreter holding the runtime (default: this one).
+        storage: server only: its job store (as ``start --storage``).
+    """
+    kit = os.path.abspath(kit)
+    name = os.path.basename(kit)
+    python = os.path.abspath(python or sys.executable)
+    site_cmd = os.path.join(os.path.dirname(python), "fedpartial-site")
+    extra = f" --storage {os.path.abspath(storage)}" if storage else ""
+    return f"""[Unit]
+Description=NVIDIA FLARE kit {name} (fedpartial)
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+Type=simple
+User={user}
+Group={user}
+WorkingDirectory={kit}
+ExecStart={site_cmd} start {kit} --foreground{extra}
+ExecStop={site_cmd} stop {kit} --wait 60
+Restart=on-failure
+RestartSec=30
+TimeoutStopSec=90
+UMask=0077
+NoNewPrivileges=true
+PrivateTmp=true
+
+[Install]
+WantedBy=multi-user.target
+"""
