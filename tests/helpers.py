@@ -37,3 +37,45 @@ def tls_reply(cert_file: Path, key_file: Path, ca: Path, port: int) -> bytes:
                 return s.recv(64)
         except (ssl.SSLError, ConnectionError):
             return b""
+
+
+def running_system(root: Path, name: str, sites, site_policy: dict):
+    """Provision a one-machine project into ``root`` with ``site_policy`` (SitePolicyBuilder's
+    arguments), start the server and ``sites`` (each kit in its own session), and yield
+    ``{"root", "prod", "kits", "env"}`` once the server lists every site; afterwards every process
+    naming ``root`` is gone (asserted). Use it from a module-scoped fixture."""
+    import contextlib
+
+    import pytest
+
+    from fedpartial_tools import admin, processes, provision
+
+    @contextlib.contextmanager
+    def system():
+        env = provision.kit_env(str(root))
+        procs = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("HOME", env["HOME"])
+            mp.setenv("TMPDIR", env["TMPDIR"])
+            mp.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
+            project = provision.localhost_project(name, provision.free_port(), list(sites), site_policy=site_policy)
+            prod = Path(provision.provision(provision.write_project(str(root / "project.yml"), project),
+                                            str(root / "provision"), env=env))
+            provision.keep_server_storage_in(str(prod / "localhost"), str(root / "storage"))
+            try:
+                procs.append(processes.start_kit(str(prod / "localhost"), str(root / "server.console.log"), env))
+                kits = {role: kit for kit, role in admin.admin_kits(str(prod)).items()}
+                session = admin.new_admin_session(kits["project_admin"], timeout=60)
+                for site in sites:
+                    procs.append(processes.start_kit(str(prod / site), str(root / f"{site}.console.log"), env))
+                admin.wait_for_clients(session, list(sites), timeout=90)
+                session.close()
+                yield {"root": root, "prod": prod, "kits": kits, "env": env}
+            finally:
+                for proc in reversed(procs):
+                    processes.stop_group(proc, grace=2.0)
+                processes.kill_workspace_processes(str(root))
+                left = processes.live_workspace_processes(str(root))
+                assert not left, f"processes left behind: {left}"
+
+    return system()

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpartial_tools import admin, processes, provision
+from fedpartial_tools import admin
+from helpers import running_system
 from fedpartial_tools.jobtools import package_job
 
 from test_provisioned import CLASSES, _write_sites
@@ -34,39 +35,15 @@ OVERRIDES = ["num_rounds=1", "server.min_clients=2", f"model.class_names={json.d
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     root = tmp_path_factory.mktemp("red_team")
-    env = provision.kit_env(str(root))
     offered, other = root / "offered", root / "other_study"
     for folder in (offered, other):
         folder.mkdir()
         _write_sites(folder, np.random.default_rng(0))
-    procs = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HOME", env["HOME"])
-        mp.setenv("TMPDIR", env["TMPDIR"])
-        mp.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
-        # the kits as a consortium provisions them: SitePolicyBuilder with project.yml's arguments
-        project = provision.localhost_project("red_team", provision.free_port(), SITES, site_policy={
-            "allow_byoc": False, "privacy_file": str(REPO / "provisioning" / "privacy.json"),
-            "datasets": {DATASET: str(offered)}})
-        prod = Path(provision.provision(provision.write_project(str(root / "project.yml"), project),
-                                        str(root / "provision"), env=env))
-        provision.keep_server_storage_in(str(prod / "localhost"), str(root / "storage"))
-        try:
-            procs.append(processes.start_kit(str(prod / "localhost"), str(root / "server.console.log"), env))
-            kits = {role: kit for kit, role in admin.admin_kits(str(prod)).items()}
-            session = admin.new_admin_session(kits["project_admin"], timeout=60)
-            for site in SITES:
-                procs.append(processes.start_kit(str(prod / site), str(root / f"{site}.console.log"), env))
-            admin.wait_for_clients(session, SITES, timeout=90)
-            session.close()
-            yield {"root": root, "prod": prod, "kits": kits, "offered": offered, "other": other,
-                   "storage": root / "storage"}
-        finally:
-            for proc in reversed(procs):
-                processes.stop_group(proc, grace=2.0)
-            processes.kill_workspace_processes(str(root))
-            left = processes.live_workspace_processes(str(root))
-            assert not left, f"processes left behind: {left}"
+    # the kits as a consortium provisions them: SitePolicyBuilder with project.yml's arguments
+    policy = {"allow_byoc": False, "privacy_file": str(REPO / "provisioning" / "privacy.json"),
+              "datasets": {DATASET: str(offered)}}
+    with running_system(root, "red_team", SITES, policy) as system:
+        yield dict(system, offered=offered, other=other, storage=root / "storage")
 
 
 def _job(tmp_path, name, overrides=(), job="fedavg", **kwargs) -> Path:

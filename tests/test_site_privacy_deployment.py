@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpartial_tools import admin, processes, provision
+from fedpartial_tools import admin
+from helpers import running_system
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"),
@@ -57,41 +58,18 @@ def _write_sites(out: Path) -> None:
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     root = tmp_path_factory.mktemp("site_privacy")
-    env = provision.kit_env(str(root))
     data = root / "sites"
     data.mkdir()
     _write_sites(data)
-    procs = []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HOME", env["HOME"])
-        mp.setenv("TMPDIR", env["TMPDIR"])
-        mp.delenv("NVFLARE_STARTUP_KIT_DIR", raising=False)
-        # the kits get provisioning/privacy.json from provisioning (SitePolicyBuilder), as project.yml's do;
-        # byoc stays allowed: the test's jobs carry their code
-        project = provision.localhost_project("privacy_test", provision.free_port(), SITES, site_policy={
-            "allow_byoc": True, "privacy_file": str(REPO / "provisioning" / "privacy.json"),
-            "datasets": {DATASET: str(data)}})
-        prod = Path(provision.provision(provision.write_project(str(root / "project.yml"), project),
-                                        str(root / "provision"), env=env))
-        provision.keep_server_storage_in(str(prod / "localhost"), str(root / "storage"))
+    # the kits get provisioning/privacy.json from provisioning (SitePolicyBuilder), as project.yml's do;
+    # byoc stays allowed: the test's jobs carry their code
+    policy = {"allow_byoc": True, "privacy_file": str(REPO / "provisioning" / "privacy.json"),
+              "datasets": {DATASET: str(data)}}
+    with running_system(root, "privacy_test", SITES, policy) as system:
         for site in SITES:  # the site's own policy, read by FLARE when the kit starts and for every job
-            assert (prod / site / "local" / "privacy.json").read_bytes() == \
+            assert (system["prod"] / site / "local" / "privacy.json").read_bytes() == \
                 (REPO / "provisioning" / "privacy.json").read_bytes()
-        try:
-            procs.append(processes.start_kit(str(prod / "localhost"), str(root / "server.console.log"), env))
-            kits = {role: kit for kit, role in admin.admin_kits(str(prod)).items()}
-            session = admin.new_admin_session(kits["project_admin"], timeout=60)
-            for site in SITES:
-                procs.append(processes.start_kit(str(prod / site), str(root / f"{site}.console.log"), env))
-            admin.wait_for_clients(session, SITES, timeout=90)
-            session.close()
-            yield {"root": root, "prod": prod, "kits": kits}
-        finally:
-            for proc in reversed(procs):
-                processes.stop_group(proc, grace=2.0)
-            processes.kill_workspace_processes(str(root))
-            left = processes.live_workspace_processes(str(root))
-            assert not left, f"processes left behind: {left}"
+        yield system
 
 
 def _job(tmp_path, overrides=(), name="fedlsm"):

@@ -281,15 +281,9 @@ def _cmd_wait_sites(args):
 
 
 def _cmd_cert_expiry(args):
-    from fedpartial_tools.certs import expiry_report, format_report
+    from fedpartial.site.cli import print_cert_expiry
 
-    rows = expiry_report(args.path, args.warn_days)
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        print(format_report(rows, args.warn_days))
-    if any(r["status"] != "ok" for r in rows):
-        raise SystemExit(1)
+    print_cert_expiry(args.path, args.warn_days, args.json)
 
 
 def _project_name(project_yml: str) -> str:
@@ -449,12 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+    from fedpartial.site.cli import run
+
+    run(build_parser(), argv, errors=(ValueError, FileNotFoundError, RuntimeError, TimeoutError))
 
 
 if __name__ == "__main__":

@@ -65,13 +65,19 @@ def _cmd_preflight(args):
         raise SystemExit(1)
 
 
-def _cmd_cert_expiry(args):
+def print_cert_expiry(path: str, warn_days: float, as_json: bool) -> None:
+    """Print the expiry report of the kits at / under ``path``; exit 1 when a certificate has
+    expired or has fewer than ``warn_days`` days left (for a daily cron job)."""
     from fedpartial.site.certs import expiry_report, format_report
 
-    rows = expiry_report(args.kit, warn_days=args.warn_days)
-    print(json.dumps(rows, indent=1) if args.json else format_report(rows, args.warn_days))
+    rows = expiry_report(path, warn_days=warn_days)
+    print(json.dumps(rows, indent=1) if as_json else format_report(rows, warn_days))
     if any(r["status"] != "ok" for r in rows):
         raise SystemExit(1)
+
+
+def _cmd_cert_expiry(args):
+    print_cert_expiry(args.kit, args.warn_days, args.json)
 
 
 def _cmd_clean(args):
@@ -141,13 +147,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def run(parser: argparse.ArgumentParser, argv=None, errors=(ValueError, FileNotFoundError, RuntimeError, OSError)):
+    """Parse ``argv`` and run the chosen command; an expected error is one line on stderr, exit 2.
+
+    Args:
+        parser: a parser whose subcommands set ``func``.
+        argv: the arguments (default: the command line).
+        errors: the exception types reported as one line instead of a traceback.
+    """
+    args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+    except errors as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2)
+
+
+def main(argv=None):
+    run(build_parser(), argv)
 
 
 if __name__ == "__main__":
