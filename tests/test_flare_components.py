@@ -103,6 +103,25 @@ def test_round_with_too_few_valid_updates_fails_clearly(aggregator, tmp_path):
         aggregator.aggregate(ctx)
 
 
+def test_a_provisioned_server_publishes_no_aggregate_of_one_site(aggregator, tmp_path):
+    """A job may deploy to one site (deploy_map, min_clients=1); its "global" model would be that
+    hospital's local model. The server kit's min_sites_per_round (default 2) refuses it."""
+    kit = tmp_path / "server_kit"
+    (kit / "local").mkdir(parents=True)
+    config = kit / "local" / "fedpartial_site.json"
+    config.write_text('{"format_version": 1, "datasets": {}}')
+    ctx = _ctx(tmp_path, global_weights={"w": np.zeros(2, np.float32)})
+    ctx.get_engine().get_workspace.return_value.get_root_dir.return_value = str(kit)
+    aggregator.accept(_update("site-2", [1, 1], 10), ctx)
+    with pytest.raises(RuntimeError, match="only 1 valid update.*2 needed.*min_sites_per_round"):
+        aggregator.aggregate(ctx)
+    config.write_text('{"format_version": 1, "datasets": {}, "min_sites_per_round": 1}')  # the server's choice
+    assert aggregator.aggregate(ctx) is not None
+    config.write_text('{"format_version": 1, "datasets": {}, "min_sites_per_round": 0}')
+    with pytest.raises(ValueError, match="min_sites_per_round must be an integer >= 1"):
+        aggregator.aggregate(ctx)
+
+
 def test_check_weights_names_the_key():
     ref = {"a": np.zeros(2), "b": np.zeros(1)}
     with pytest.raises(ValueError, match="'b'"):

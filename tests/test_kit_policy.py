@@ -176,6 +176,21 @@ def test_shell_commands_only_for_the_sites_own_organisation(prod):
         assert _may(written, org, "project_admin", other, "submit_job")  # the rest unchanged
 
 
+def test_a_jobs_error_lines_only_for_the_sites_own_organisation(prod):
+    """show_errors returns the ERROR lines a job logged at a site (data paths, class lists); by
+    FLARE's default every role with 'view' reads them at every site."""
+    for kit, org in [("localhost", SERVER_ORG), *SITE_ORGS.items()]:
+        written = _json(prod / kit / "local" / "authorization.json")
+        default = _json(prod / kit / "local" / "authorization.json.default")
+        other = "hospital_b" if org == "hospital_a" else "hospital_a"
+        for command in ("show_errors", "reset_errors"):
+            for role in ("project_admin", "org_admin", "lead", "member"):
+                assert _may(written, org, role, org, command), (kit, role, command)
+                assert not _may(written, org, role, other, command), (kit, role, command)
+                assert _may(default, org, role, other, command), (kit, role, command)
+        assert _may(written, org, "lead", other, "show_stats")  # the rest of 'view' unchanged
+
+
 def test_log_streaming_and_prefixes_are_explicit_opt_ins(prod):
     site_default = _json(prod / "site-1" / "local" / "resources.json.default")
     server_default = _json(prod / "localhost" / "local" / "resources.json.default")
@@ -206,17 +221,20 @@ def _sha256(path: Path) -> str:
 def test_runtime_wheel_comes_with_its_lock_and_checked_sha256(tmp_path):
     wheel = Path(provision.build_runtime(str(tmp_path / "a")))
     lock = wheel.parent / "requirements-site.lock"
+    cuda = wheel.parent / "requirements-site-cuda.lock"
     assert lock.read_bytes() == (REPO / "requirements-site.lock").read_bytes()
+    assert cuda.read_bytes() == (REPO / "requirements-site-cuda.lock").read_bytes()
     sums = Path(f"{wheel}.sha256")
-    assert sums.read_text() == f"{_sha256(wheel)}  {wheel.name}\n{_sha256(lock)}  requirements-site.lock\n"
+    assert sums.read_text() == (f"{_sha256(wheel)}  {wheel.name}\n{_sha256(lock)}  requirements-site.lock\n"
+                                f"{_sha256(cuda)}  requirements-site-cuda.lock\n")
     if shutil.which("sha256sum"):  # the format sites check with
         subprocess.run(["sha256sum", "-c", "--quiet", sums.name], cwd=wheel.parent, check=True)
-    assert provision.verify_runtime(str(wheel)) == [str(wheel), str(lock)]
+    assert provision.verify_runtime(str(wheel)) == [str(wheel), str(lock), str(cuda)]
     # the same source builds the same wheel, whenever its files were checked out
     assert {i.date_time for i in zipfile.ZipFile(wheel).infolist()} == {(1980, 1, 1, 0, 0, 0)}
     assert _sha256(Path(provision.build_runtime(str(tmp_path / "b")))) == _sha256(wheel)
     original = wheel.read_bytes()
-    for tampered in (wheel, lock):
+    for tampered in (wheel, lock, cuda):
         saved = tampered.read_bytes()
         tampered.write_bytes(saved + b"\n")
         with pytest.raises(ValueError, match=re.escape(f"'{tampered}' has sha256 {_sha256(tampered)}, but '{sums}'")):

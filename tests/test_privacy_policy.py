@@ -207,19 +207,29 @@ def test_local_model_gate_fails_closed_and_a_site_may_share():
     # no task-data half in the scope: nothing says a model came, so weights stay
     assert LocalModelGate().process(local, ctx("out")).get_return_code() == ReturnCode.EMPTY_RESULT
     # a model that came with ANOTHER task does not count
-    out = LocalModelGate().process(local, ctx("out", received={"task_id": "t-0", "model": True}))
+    trained = {"task_id": "t-1", "model": True, "validation": False}
+    out = LocalModelGate().process(local, ctx("out", received=dict(trained, task_id="t-0")))
     assert out.get_return_code() == ReturnCode.EMPTY_RESULT
-    assert LocalModelGate().process(local, ctx("out", received={"task_id": "t-1", "model": True})) is local
-    # the task-data half: a model in, or not
+    assert LocalModelGate().process(local, ctx("out", received=trained)) is local
+    # a model sent for cross-site validation (MODEL_OWNER header), whatever the task is called:
+    # its answer is never weights
+    out = LocalModelGate().process(local, ctx("out", received=dict(trained, validation=True)))
+    assert out.get_return_code() == ReturnCode.EMPTY_RESULT
+    # the task-data half: a model in, or not, and for validation or not
     c = ctx("in")
     LocalModelGate().process(DXO(DataKind.WEIGHTS, data={"w": np.ones(2)}).to_shareable(), c)
-    assert c.get_prop(TASK_RECEIVED_MODEL) == {"task_id": "t-1", "model": True}
+    assert c.get_prop(TASK_RECEIVED_MODEL) == trained
+    c = ctx("in")
+    to_validate = DXO(DataKind.WEIGHTS, data={"w": np.ones(2)}).to_shareable()
+    to_validate.set_header(AppConstants.MODEL_OWNER, "SRV_global_model")
+    LocalModelGate().process(to_validate, c)
+    assert c.get_prop(TASK_RECEIVED_MODEL) == dict(trained, validation=True)
     c = ctx("in")
     LocalModelGate().process(Shareable(), c)
-    assert c.get_prop(TASK_RECEIVED_MODEL) == {"task_id": "t-1", "model": False}
+    assert c.get_prop(TASK_RECEIVED_MODEL) == {"task_id": "t-1", "model": False, "validation": False}
     # weights outside a DXO are weights too (the gate alone, without the result policy behind it)
     raw = Shareable({"weights": np.ones(3)})
-    out = LocalModelGate().process(raw, ctx("out", received={"task_id": "t-1", "model": False}))
+    out = LocalModelGate().process(raw, ctx("out", received={"task_id": "t-1", "model": False, "validation": False}))
     assert out.get_return_code() == ReturnCode.EMPTY_RESULT and "weights" not in out
     # a site that shares its local model lets weights out for any task; errors and metrics always pass
     assert LocalModelGate(share_local_model=True).process(local, ctx("out")) is local

@@ -243,3 +243,69 @@ def test_an_admin_of_another_org_cannot_read_a_sites_files(system):
         assert session.ls_target("site-1") is not None
     finally:
         session.close()
+
+
+# ---- attacks found by an outside attempt on a provisioned system --------------------------------
+@pytest.mark.slow
+def test_a_data_file_naming_a_reference_copy_is_refused(system, tmp_path):
+    """split writes reference/<site>_full.npz (complete labels) inside its output folder, which a
+    site may offer whole."""
+    job = _job(tmp_path, "reference_copy", ['client.data_file="reference/{site}_full.npz"'])
+    result = _run(system, tmp_path, job)
+    _failed(result)
+    logs = _logs(system, result)
+    for site in SITES:
+        assert "its 'data_file' ('reference/{site}_full.npz') is not one of ['{site}.npz', '{site}']" in logs[site]
+        assert "training images from" not in logs[site]
+
+
+@pytest.mark.slow
+def test_a_job_on_one_site_gets_no_global_model_of_it(system, tmp_path):
+    """deploy_map to one hospital with min_clients 1: its one-site "aggregate" is its local model."""
+    job = _job(tmp_path, "one_site", ["server.min_clients=1"])
+    meta = json.loads((job / "meta.json").read_text())
+    meta.update(deploy_map={"app": ["server", "site-2"]}, min_clients=1)
+    (job / "meta.json").write_text(json.dumps(meta))
+    result = _run(system, tmp_path, job)
+    _failed(result)
+    assert "only 1 valid update(s) with samples, 2 needed" in _logs(system, result)["localhost"]
+    rounds = json.loads(Path(result["metrics"]).read_text())["rounds"] if result["metrics"] else []
+    assert not rounds, rounds
+
+
+@pytest.mark.slow
+def test_cross_site_validation_under_the_train_task_name_gets_no_local_model(system, tmp_path):
+    """The server's cross-site evaluation asks each site to 'validate' under the task name 'train':
+    the site trains and answers with weights, which its gate withholds (the request carries
+    MODEL_OWNER), so the download holds no site's model."""
+    from nvflare.apis.dxo import DataKind, from_file
+
+    def attack(config):
+        cross = next(w for w in config["workflows"] if w["id"] == "cross_site_validate")
+        cross["args"]["validation_task_name"] = "train"
+    job = _job(tmp_path, "validate_as_train")
+    _edit(job, "server", attack)
+    result = _run(system, tmp_path, job)
+    assert result["global_model"], result["status"]
+    answers = list(Path(result["result_dir"]).rglob("result_shareables/*"))
+    kinds = []
+    for path in answers:
+        try:
+            kinds.append(from_file(str(path)).data_kind)
+        except Exception:  # an empty answer holds no DXO
+            kinds.append(None)
+    assert DataKind.WEIGHTS not in kinds, (answers, kinds)
+    for site in SITES:
+        assert "withheld: it carries model weights but the task asked to validate a model" in \
+            _logs(system, result)[site]
+
+
+@pytest.mark.slow
+def test_monai_weight_loading_through_arch_args_is_refused(system, tmp_path):
+    secret = tmp_path / "server_private.pt"
+    secret.write_bytes(b"not weights")
+    job = _job(tmp_path, "arch_pretrained", ["model.arch=resnet18",
+                                               f'model.arch_args={{"pretrained": "{secret}"}}'])
+    result = _run(system, tmp_path, job)
+    _failed(result)
+    assert "arch_args ['pretrained'] not allowed" in _logs(system, result)["localhost"]

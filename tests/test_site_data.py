@@ -214,3 +214,63 @@ def test_site_config_errors_name_the_file_and_key(tmp_path):
         load_site_config(str(kit))
     config.write_text(json.dumps({"format_version": 1, "datasets": {"a": "data/a", "b": "/abs/b"}}))
     assert load_site_config(str(kit))["datasets"] == {"a": str(kit / "data" / "a"), "b": "/abs/b"}
+
+
+# ---- what else a provisioned site refuses ---------------------------------------------------------
+def test_a_provisioned_site_reads_only_its_own_site_file(tmp_path, sites, monkeypatch):
+    """A reference copy inside the offered folder (``split`` writes ``reference/`` there) is refused
+    by name and, renamed to the site's own file name, by content."""
+    from fedpartial.data import sitefile
+
+    offered, _ = sites
+    kit = _kit(tmp_path, {"study_a": str(offered)})
+    identity = runtime_identity()
+    for data_file in ("reference/{site}_full.npz", "{site}_full.npz", "{site:>99}.npz", "{site}.npz/.."):
+        with pytest.raises(ValueError, match=f"its 'data_file' \\({data_file!r}\\) is not one of"):
+            _setup(kit, monkeypatch, dataset="study_a", runtime_version=identity, data_file=data_file)
+    copy = tmp_path / "copied"
+    copy.mkdir()
+    data = sitefile.load_site_file(str(offered / f"{SITE}.npz"), expected_site=SITE)
+    data.info["reference"] = True  # what split writes into reference/<site>_full.npz
+    sitefile.write_site_file(str(copy / f"{SITE}.npz"), data)
+    kit = _kit(tmp_path / "k2", {"study_a": str(copy)})
+    with pytest.raises(ValueError, match="is a complete-label reference copy"):
+        _setup(kit, monkeypatch, dataset="study_a", runtime_version=identity)
+
+
+def test_a_provisioned_site_caps_the_input_size(tmp_path, sites, monkeypatch):
+    offered, _ = sites
+    kit = _kit(tmp_path, {"study_a": str(offered)})
+    big = dict(MODEL, input_size=[4096, 4096])
+    with pytest.raises(ValueError, match=r"model.input_size \[4096, 4096\] is beyond this site's limit of 1024"):
+        ex = FedPartialExecutor(model=big, tensorboard=False, device="cpu", dataset="study_a",
+                                runtime_version=runtime_identity())
+        fl_ctx = SiteContext()
+        engine = mock.MagicMock()
+        engine.get_workspace.return_value.get_root_dir.return_value = str(kit)
+        engine.get_workspace.return_value.get_run_dir.return_value = str(kit / "job-1")
+        fl_ctx.set_prop("__engine__", engine, private=True, sticky=False)
+        ex._setup(fl_ctx)
+
+
+def test_a_provisioned_site_keeps_the_resize_cache_in_its_workspace(tmp_path, sites, monkeypatch):
+    from fedpartial.data import sitefile
+
+    offered, _ = sites
+    folder = tmp_path / "large"
+    folder.mkdir()
+    data = sitefile.load_site_file(str(offered / f"{SITE}.npz"), expected_site=SITE)
+    sitefile.write_site_file(str(folder / SITE), data, layout="folder")
+    kit = _kit(tmp_path, {"big": str(folder)})
+    model = dict(MODEL, input_size=[12, 12])  # the files hold 16 x 16: a resized copy is made
+    ex = FedPartialExecutor(model=model, tensorboard=False, device="cpu", dataset="big",
+                            runtime_version=runtime_identity())
+    fl_ctx = SiteContext()
+    engine = mock.MagicMock()
+    engine.get_workspace.return_value.get_root_dir.return_value = str(kit)
+    engine.get_workspace.return_value.get_run_dir.return_value = str(kit / "job-1")
+    fl_ctx.set_prop("__engine__", engine, private=True, sticky=False)
+    ex._setup(fl_ctx)
+    assert ex.data.splits["train"].images.shape[1:3] == (12, 12)
+    assert list((kit / "fedpartial_cache" / "big" / SITE).glob("train_images_12x12.npy"))
+    assert not (folder / SITE / "cache").exists()  # nothing written into the offered data folder

@@ -149,10 +149,11 @@ def test_site_policy_can_keep_byoc(tmp_path):
     local = prod / "site-1" / "local"
     written = json.loads((local / "authorization.json").read_text())["permissions"]
     default = json.loads((local / "authorization.json.default").read_text())["permissions"]
-    # FLARE's byoc rights; only the shell commands are narrowed to the site's own organisation
+    # FLARE's byoc rights; only the shell commands and job error lines are narrowed to the site's own organisation
     assert {role: rights["byoc"] for role, rights in written.items() if "byoc" in rights} == \
         {"project_admin": "any", "org_admin": "none", "lead": "any"}
-    assert written["lead"] == default["lead"] and written["project_admin"]["shell_commands"] == "o:site"
+    assert written["lead"] == dict(default["lead"], show_errors="o:site", reset_errors="o:site")
+    assert written["project_admin"]["shell_commands"] == "o:site"
     a = _authorizer(prod / "site-1", "hospital_a")
     assert _may(a, "lead", "byoc") and _may(a, "project_admin", "byoc") and not _may(a, "org_admin", "byoc")
     assert json.loads((local / "resources.json").read_text())["class_allow_list"] == list(CLASS_ALLOW_LIST)

@@ -9,8 +9,8 @@ from the *installed* fedpartial runtime without trusting code that travels with 
   ``allow_log_streaming: false`` and no ``SiteLogStreamer``, the server no ``JobLogReceiver``;
 * ``local/authorization.json``: FLARE's ``authorization.json.default`` with the ``byoc`` right
   taken from every role (unless ``allow_byoc``), so a job that carries code in ``app/custom`` is
-  refused, and shell commands (``ls``, ``cat``, ``grep`` ...) only for roles of the site's own
-  organisation (``shell_commands: "o:site"``);
+  refused, and shell commands (``ls``, ``cat``, ``grep`` ...) and a job's error lines
+  (``show_errors``) only for roles of the site's own organisation (``"o:site"``);
 * ``local/privacy.json`` on every site (optional): a copy of the consortium's privacy policy;
 * ``local/fedpartial_site.json`` in every kit (:mod:`fedpartial.flare.site_config`): the datasets a
   site offers to jobs (``datasets`` of the builder, or a site's own ``datasets:`` entry in
@@ -112,6 +112,23 @@ def shell_at_own_site(policy: dict) -> dict:
         for command in commands:
             rights.pop(command, None)
         rights[SHELL_COMMANDS] = OWN_SITE if held else "none"
+    return out
+
+
+#: the admin commands that return what a job's processes logged as errors at a participant (a site's
+#: error lines name its data paths, class lists and counts)
+ERROR_COMMANDS = ("show_errors", "reset_errors")
+
+
+def errors_at_own_site(policy: dict) -> dict:
+    """An authorization policy in which every role sees (and resets) a participant's job errors only
+    at participants of its own organisation (``"o:site"``); FLARE's default lets every role with
+    ``view`` (project_admin, lead, org_admin, member) read every site's error lines."""
+    out = copy.deepcopy(policy)
+    out["permissions"] = _role_rights(policy, "errors_at_own_site")
+    for rights in out["permissions"].values():
+        for command in ERROR_COMMANDS:
+            rights[command] = OWN_SITE
     return out
 
 
@@ -255,7 +272,7 @@ class SitePolicyBuilder(Builder):
 
     def authorization(self, default: dict) -> dict:
         """The ``authorization.json`` from FLARE's ``.default``."""
-        return shell_at_own_site(default if self.allow_byoc else without_byoc(default))
+        return errors_at_own_site(shell_at_own_site(default if self.allow_byoc else without_byoc(default)))
 
     def initialize(self, project: Project, ctx: ProvisionContext):
         if self.privacy_file:  # fail before any kit is written

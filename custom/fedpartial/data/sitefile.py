@@ -438,7 +438,7 @@ def _cached_array(source_file: str, cache_file: str, build, shape: Tuple[int, ..
 
 
 def cached_resize(dataset: Dataset, size: Sequence[int], folder: Optional[str] = None,
-                  chunk_rows: int = CHUNK_ROWS) -> Dataset:
+                  chunk_rows: int = CHUNK_ROWS, cache_dir: Optional[str] = None) -> Dataset:
     """Resize a site folder's images (bilinear, antialiased) and segmentation masks (nearest) to
     ``size`` chunk by chunk into ``<folder>/cache/<split>_images_<H>x<W>.npy`` (and
     ``<split>_labels_<H>x<W>.npy``), each with a json stamp of its source's mtime and size: the
@@ -450,6 +450,8 @@ def cached_resize(dataset: Dataset, size: Sequence[int], folder: Optional[str] =
         size: target (H, W).
         folder: the site folder; default ``dataset.source``.
         chunk_rows: images resized at a time (bounds the memory used).
+        cache_dir: where the copies go (default ``<folder>/cache``); a provisioned site keeps them
+            in its own workspace, so a job writes nothing into the data folder it reads.
     """
     from fedpartial.data.transforms import resize_dataset
 
@@ -457,7 +459,7 @@ def cached_resize(dataset: Dataset, size: Sequence[int], folder: Optional[str] =
     if not is_site_folder(folder):
         raise DataError(f"cached_resize needs a site folder; '{folder}' is not one")
     size = tuple(int(s) for s in size)
-    cache = os.path.join(folder, CACHE_DIR)
+    cache = cache_dir or os.path.join(folder, CACHE_DIR)
     tag = f"{size[0]}x{size[1]}"
     splits = {}
     for name, split in dataset.splits.items():

@@ -13,7 +13,11 @@ without the file (the simulator, ``nvflare poc`` kits) is a *development site*: 
 ``data_root`` or ``$FEDPARTIAL_DATA_ROOT`` is used, and the log says it is a development path.
 
 Every path a job may set (``data_file``, ``state_dir``) is relative, and may not climb out of
-the folder it is resolved in, at every kind of site.
+the folder it is resolved in, at every kind of site. A provisioned site also accepts only its own
+site file (``{site}.npz`` or ``{site}``) as ``data_file``, refuses a complete-label reference copy
+whatever its name, caps ``model.input_size`` (``max_input_size``, default 1024 px), and keeps the
+resized copy of a large site folder in its own workspace (``KIT/fedpartial_cache/``), never in the
+data folder it offers.
 """
 from __future__ import annotations
 
@@ -85,6 +89,36 @@ def confined(base: str, relative: str, field: str, where: str) -> str:
         raise ValueError(f"{where} refuses the job: its '{field}' ({value!r}) must be a path relative to "
                          f"{base}, without '..'")
     return os.path.normpath(os.path.join(base, value))
+
+
+#: the file name patterns a job may give a provisioned site: its own site file or site folder
+SITE_FILE_PATTERNS = ("{site}.npz", "{site}")
+#: the largest image side a job may ask a provisioned site to resize to (``max_input_size`` in the
+#: site's file changes it): a huge size would fill the site's memory or disk
+MAX_INPUT_SIZE = 1024
+
+
+def check_provisioned_job(config: dict, data_file: str, model: dict, where: str) -> None:
+    """What else a provisioned site refuses: another file name than its own site file, and an
+    input size beyond its limit.
+
+    Args:
+        config: from :func:`load_site_config`.
+        data_file: the job's ``data_file``.
+        model: the job's model block (``input_size``).
+        where: who refuses (e.g. ``site 'site-1'``).
+
+    Raises:
+        ValueError: naming the field and what the site accepts.
+    """
+    if data_file not in SITE_FILE_PATTERNS:
+        raise ValueError(f"{where} refuses the job: its 'data_file' ({data_file!r}) is not one of "
+                         f"{list(SITE_FILE_PATTERNS)}: a job reads the site's own file in the dataset it names")
+    limit = config.get("max_input_size", MAX_INPUT_SIZE)
+    size = [int(v) for v in (model.get("input_size") or [0, 0])]
+    if any(v < 0 or v > int(limit) for v in size):
+        raise ValueError(f"{where} refuses the job: model.input_size {size} is beyond this site's limit of "
+                         f"{limit} px a side ('max_input_size' in {config['path']})")
 
 
 def offered_data_root(config: dict, dataset: str, data_root: str, reference_file: str, where: str) -> str:

@@ -38,6 +38,7 @@ from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE, AnalyticsDataType, TrackC
 from nvflare.apis.dxo import DXO, DataKind, from_dict, from_shareable
 from nvflare.apis.event_type import EventType
 from nvflare.apis.filter import Filter
+from nvflare.app_common.app_constant import AppConstants
 from nvflare.apis.fl_component import FLComponent
 from nvflare.apis.fl_constant import EventScope, FedEventHeader, FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
@@ -109,7 +110,9 @@ def shareable_carries_weights(shareable: Shareable) -> bool:
 
 class LocalModelGate(Filter):
     """Scope filter: model weights leave the site only as the answer to a task whose incoming data
-    brought a model (a training round's global model, a model to validate); any other result that
+    brought a model to train on (a training round's global model); the answer to a model sent for
+    validation (it carries the ``MODEL_OWNER`` header of cross-site evaluation, whatever the task is
+    called) and any other result that
     carries weights (:func:`carries_weights`: the ``submit_model`` answer under whatever task name a
     job gives it) is answered with EMPTY_RESULT unless the site shares its local model.
 
@@ -134,12 +137,17 @@ class LocalModelGate(Filter):
         task_id = fl_ctx.get_prop(FLContextKey.TASK_ID)
         if str(fl_ctx.get_prop(FLContextKey.FILTER_DIRECTION, "")).lower() == "in":
             model = shareable_carries_weights(shareable)
-            fl_ctx.set_prop(TASK_RECEIVED_MODEL, {"task_id": task_id, "model": model}, private=True, sticky=False)
+            # a model sent for cross-site validation names its owner; whatever task name the job gives
+            # that request, the answer is a score, never this site's weights
+            validation = shareable.get_header(AppConstants.MODEL_OWNER) is not None
+            fl_ctx.set_prop(TASK_RECEIVED_MODEL, {"task_id": task_id, "model": model, "validation": validation},
+                            private=True, sticky=False)
             return shareable
         if self.share_local_model or not shareable_carries_weights(shareable):
             return shareable
         received = fl_ctx.get_prop(TASK_RECEIVED_MODEL)
-        if isinstance(received, dict) and received.get("task_id") == task_id and received.get("model") is True:
+        if (isinstance(received, dict) and received.get("task_id") == task_id and received.get("model") is True
+                and received.get("validation") is False):
             return shareable
         site = fl_ctx.get_identity_name() or "?"
         task = fl_ctx.get_prop(FLContextKey.TASK_NAME, "?")
@@ -148,8 +156,9 @@ class LocalModelGate(Filter):
                                    f"LocalModelGate is not in this scope's task_data_filters, so no task is known "
                                    f"to have brought a model")
         else:
+            why = ("the task asked to validate a model" if received.get("validation") else "the task brought no model")
             self.log_info(fl_ctx, f"site '{site}': the result of task '{task}' withheld: it carries model weights "
-                                  f"but the task brought no model, and this site does not share its local model")
+                                  f"but {why}, and this site does not share its local model")
         return make_reply(ReturnCode.EMPTY_RESULT)
 
 

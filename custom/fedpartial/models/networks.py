@@ -12,6 +12,7 @@ so callers never hard-code ``fc.weight``.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Dict, List, Tuple
 
@@ -281,6 +282,16 @@ class UNet2D(FedModel):
 
 
 ARCHS = {"small_cnn": SmallCNN, "resnet18": ResNet18, "densenet121": DenseNet121, "unet": UNet2D}
+#: the MONAI network arguments a job may pass through ``arch_args``: shape options only. MONAI's
+#: ``pretrained`` / ``progress`` / ``pretrained_path`` would load (or download) a weights file from
+#: a path the job names; a server starts from weights through ``model.pretrained`` only
+#: (:mod:`fedpartial.models.pretrained`, a path the server confines).
+MONAI_ARGS = {
+    "resnet18": {"conv1_t_size", "conv1_t_stride", "no_max_pool", "shortcut_type", "widen_factor", "norm", "act",
+                 "bias_downsample"},
+    "densenet121": {"init_features", "growth_rate", "block_config", "bn_size", "norm", "act", "dropout_prob"},
+    "unet": {"kernel_size", "up_kernel_size", "act", "norm", "dropout", "bias", "adn_ordering"},
+}
 
 
 def build_model(arch: str, num_classes: int, in_channels: int = 3, **arch_args) -> FedModel:
@@ -303,6 +314,12 @@ def build_model(arch: str, num_classes: int, in_channels: int = 3, **arch_args) 
         arch_args = {**nested, **arch_args}
     if arch not in ARCHS:
         raise ValueError(f"unknown model arch '{arch}'; valid archs: {', '.join(sorted(ARCHS))}")
+    if arch in MONAI_ARGS:
+        own = set(inspect.signature(ARCHS[arch].__init__).parameters) - {"self", "monai_args"}
+        refused = sorted(set(arch_args) - own - MONAI_ARGS[arch])
+        if refused:
+            raise ValueError(f"{arch}: arch_args {refused} not allowed; it takes {sorted(own - {'num_classes', 'in_channels'})} "
+                             f"and MONAI's {sorted(MONAI_ARGS[arch])}")
     try:
         return ARCHS[arch](int(num_classes), int(in_channels), **arch_args)
     except TypeError as exc:  # unknown keyword for a local class
