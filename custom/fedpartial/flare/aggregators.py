@@ -55,6 +55,27 @@ def check_weights(weights, reference: Dict[str, np.ndarray]) -> None:
             raise ValueError(f"parameter '{key}' holds NaN or Inf")
 
 
+#: a provisioned server's floor on the sites behind every aggregate (``min_sites_per_round`` in its
+#: ``local/fedpartial_site.json``): with one site the "global" model is that site's own model
+MIN_SITES_PER_ROUND = 2
+
+
+def server_min_sites(fl_ctx: FLContext) -> int:
+    """The fewest sites an aggregate may come from: the server kit's ``min_sites_per_round``
+    (default :data:`MIN_SITES_PER_ROUND`) at a provisioned server, 1 elsewhere. The server decides
+    it, not the job: a job's ``deploy_map`` or ``min_clients`` could otherwise make the downloaded
+    global model one hospital's local model."""
+    from fedpartial.flare.site_config import load_site_config
+
+    config = load_site_config(fl_ctx.get_engine().get_workspace().get_root_dir())
+    if config is None:
+        return 1
+    value = config.get("min_sites_per_round", MIN_SITES_PER_ROUND)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"'{config['path']}': min_sites_per_round must be an integer >= 1, got {value!r}")
+    return value
+
+
 def classifier_names(model: dict, rule: str) -> List[str]:
     """Names of the classifier parameters of the job's model block (built on the meta device:
     no weights are allocated). ``[]`` without a block, unless the rule needs them."""
@@ -190,10 +211,12 @@ class RuleAggregator(Aggregator):
         ctx.report["trust"] = {**trust, "capped": dict(self.capped), "rejected": dict(self.rejected),
                                "train_sizes": dict(self.screen.train_sizes)}
         valid = [u for u in self.updates if u.num_samples > 0]
-        if len(valid) < self.min_valid_updates:
+        needed = max(self.min_valid_updates, server_min_sites(fl_ctx))
+        if len(valid) < needed:
             rejected = "; ".join(f"{s}: {w}" for s, w in self.rejected.items()) or "none"
             raise RuntimeError(f"round {ctx.round}: only {len(valid)} valid update(s) with samples, "
-                               f"{self.min_valid_updates} needed (rejected: {rejected})")
+                               f"{needed} needed (rejected: {rejected}); a provisioned server never publishes "
+                               f"an aggregate of fewer than its min_sites_per_round sites")
         # by site name, not arrival order: float sums depend on order, and a seeded job must
         # give the same model whichever site answers first
         weights, global_stats = self.rule.aggregate(sorted(self.updates, key=lambda u: u.site), ctx)

@@ -18,9 +18,12 @@ from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.algorithms.base import ClientContext, RoundInput
 from fedpartial.algorithms.registry import build_rule
+from fedpartial.algorithms.thresholds import HISTOGRAM_KEY
+from fedpartial.data.types import SEGMENTATION
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE, build_model_from_settings,
                                      model_settings, runtime_description, runtime_version_error)
-from fedpartial.flare.site_config import confined, load_site_config, offered_data_root, SITE_CONFIG
+from fedpartial.flare.site_config import (SITE_CONFIG, check_provisioned_job, confined, load_site_config,
+                                          offered_data_root)
 from fedpartial.training.common import (check_memory_format, load_state_numpy, place_model, select_device,
                                         state_dict_numpy)
 
@@ -64,22 +67,28 @@ def resolve_data_file(data_root: str, pattern: str, site: str) -> str:
                             + f" not found (data_root='{root}', data_file='{pattern}')")
 
 
-def load_site_dataset(path: str, site: str, settings: dict):
+def load_site_dataset(path: str, site: str, settings: dict, cache_dir: str = "", provisioned: bool = False):
     """Load and check a site file against the job's model block; resize to the job's input size.
 
     A site folder stays memory-mapped; when its images are not at ``input_size`` they are resized
-    chunk by chunk once into ``<folder>/cache/`` (reused by later rounds and runs, rebuilt when the
-    source changes: :func:`fedpartial.data.sitefile.cached_resize`). An ``.npz`` is resized in memory.
+    chunk by chunk once into a cache (reused by later rounds and runs, rebuilt when the source
+    changes: :func:`fedpartial.data.sitefile.cached_resize`). An ``.npz`` is resized in memory.
 
     Args:
         path: the site's ``.npz`` or site folder (from :func:`resolve_data_file`).
         site: this site's name (the file must belong to it).
         settings: the job's model block (``fedpartial.flare.common.model_settings``).
+        cache_dir: where a site folder's resized copy goes (default ``<folder>/cache``).
+        provisioned: a provisioned site: a complete-label reference copy (``split``'s
+            ``reference/``) is refused, whatever the job's ``data_file`` says.
     """
     from fedpartial.data.sitefile import cached_resize, is_site_folder, load_site_file
     from fedpartial.data.transforms import resize_dataset
 
     data = load_site_file(path, expected_site=site)
+    if provisioned and (data.info or {}).get("reference"):
+        raise ValueError(f"site '{site}' refuses the job: '{path}' is a complete-label reference copy; they are "
+                         f"read only in the simulator and the bench")
     if data.task != settings["task"]:
         raise ValueError(f"site '{site}': data file '{path}' holds {data.task} data, the job expects {settings['task']}")
     if list(data.class_names) != list(settings["class_names"]):
@@ -92,8 +101,10 @@ def load_site_dataset(path: str, site: str, settings: dict):
     size = tuple(settings.get("input_size") or (0, 0))
     if not any(size):
         return data
-    # a folder may not fit in memory: resize it once into a memory-mapped cache beside it
-    return cached_resize(data, size, path) if is_site_folder(path) else resize_dataset(data, size)
+    # a folder may not fit in memory: resize it once into a memory-mapped cache
+    if is_site_folder(path):
+        return cached_resize(data, size, path, cache_dir=cache_dir or None)
+    return resize_dataset(data, size)
 
 
 class FedPartialExecutor(Executor):
@@ -192,8 +203,11 @@ class FedPartialExecutor(Executor):
         if wrong_runtime:
             raise ValueError(wrong_runtime)
         # every check that can refuse the job comes before anything is read or written
+        cache_dir = ""
         if site_config is not None:
             data_root = offered_data_root(site_config, self.dataset, self.data_root, self.reference_file, where)
+            check_provisioned_job(site_config, self.data_file, self.settings, where)
+            cache_dir = os.path.join(workspace.get_root_dir(), "fedpartial_cache", self.dataset, self.site)
         else:
             data_root = self.data_root or os.environ.get(DATA_ROOT_ENV, "")
             self.log_warning(fl_ctx, f"{where} has no local/{SITE_CONFIG} in its kit: "
@@ -209,7 +223,7 @@ class FedPartialExecutor(Executor):
         rule = build_rule("client", self.rule_path, self.rule_args)
         torch.set_num_threads(max(1, int(os.environ.get("FEDPARTIAL_THREADS", torch.get_num_threads()))))
         self.device = select_device(self.device_name)
-        self.data = load_site_dataset(data_path, self.site, self.settings)
+        self.data = load_site_dataset(data_path, self.site, self.settings, cache_dir, site_config is not None)
         reference = load_site_dataset(reference_path, self.site, self.settings) if reference_path else None
         os.makedirs(state_dir, exist_ok=True)
         if self.tensorboard:
@@ -277,6 +291,7 @@ class FedPartialExecutor(Executor):
         global_stats = dxo.get_meta_prop(GLOBAL_STATS) or {}
         started = time.time()
         val_metrics = self.evaluate(self.model)
+        histograms = self.val_histograms(self.model)
         for k, v in val_metrics.items():
             self._add_scalar(f"val/{k}", v, round_num)
         result = self.rule.train_round(self.model, RoundInput(round_num, num_rounds, global_stats))
@@ -297,6 +312,8 @@ class FedPartialExecutor(Executor):
         out.set_meta_prop(SITE_STATS, result.stats)
         out.set_meta_prop(SITE_METRICS, metrics)
         out.set_meta_prop(SITE_TRAIN_SIZE, len(self.data.splits["train"]))
+        if histograms is not None:
+            out.set_meta_prop(HISTOGRAM_KEY, histograms)
         return out.to_shareable()
 
     def _validate_task(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
@@ -307,6 +324,20 @@ class FedPartialExecutor(Executor):
         self.log_info(fl_ctx, f"validation of model from {shareable.get_header(AppConstants.MODEL_OWNER, '?')}: "
                               f"{self.key_metric}={metrics.get(self.key_metric, float('nan')):.4f}")
         return DXO(DataKind.METRICS, data=metrics).to_shareable()
+
+    def val_histograms(self, model):
+        """Per-class histograms of ``model``'s probabilities on this site's val split, over the
+        annotated positives and negatives (:func:`fedpartial.algorithms.thresholds.probability_histograms`):
+        what the server picks decision thresholds from. None for segmentation or without a val split."""
+        from fedpartial.algorithms.thresholds import probability_histograms
+        from fedpartial.evaluation import predict_split
+
+        val = self.data.splits.get("val")
+        if self.data.task == SEGMENTATION or val is None or len(val) == 0:
+            return None
+        # a second pass over the val split: evaluate_split keeps its probabilities to itself
+        probs = predict_split(model, val, self.data.task, self.settings["normalisation"], self.device)
+        return probability_histograms(probs, val.labels, val.label_mask)
 
     def evaluate(self, model) -> dict:
         """Metrics of ``model`` on this site's val split (complete labels)."""

@@ -26,6 +26,8 @@ from fedpartial.training.common import state_dict_numpy
 
 GLOBAL_MODEL_FILE = "global_model.pt"
 BEST_MODEL_FILE = "best_global_model.pt"
+#: the folders of a provisioned server's kit a job may read weights from (by relative path)
+PRETRAINED_DIR, RESUME_DIR = "pretrained", "resume"
 SERVER_MODELS = {"SRV_global_model": GLOBAL_MODEL_FILE, "SRV_best_global_model": BEST_MODEL_FILE}
 
 
@@ -45,8 +47,10 @@ class FedPartialPersistor(ModelPersistor):
             content hash); a server whose installed fedpartial differs stops the job at its start, and
             a provisioned server (its kit holds ``local/fedpartial_site.json``) stops a job naming none.
 
-    At a provisioned server, ``pretrained`` and ``resume_from`` are relative paths (the job's app
-    folder, then the server's workspace root; ``..`` refused): a job reads no other file there.
+    At a provisioned server, ``pretrained`` and ``resume_from`` are relative paths without ``..``:
+    ``pretrained`` in the job's app folder or ``<server kit>/pretrained/``, ``resume_from`` in
+    ``<server kit>/resume/`` (where the operator copies a crashed job's run folder): a job reads no
+    other file there, another job's run folder included.
 
     The model block's ``pretrained`` (a weights file on the server, see
     :func:`fedpartial.models.pretrained.load_pretrained`) sets the body of the round-0 global
@@ -93,9 +97,10 @@ class FedPartialPersistor(ModelPersistor):
         server's workspace root (the folder holding ``startup/``)."""
         raw = str(self.settings["pretrained"])
         workspace = fl_ctx.get_engine().get_workspace()
-        if self._provisioned(fl_ctx):
+        if self._provisioned(fl_ctx):  # never the workspace root: other jobs' run folders live there
             tried = [confined(workspace.get_app_dir(fl_ctx.get_job_id()), raw, "model.pretrained", "the server"),
-                     confined(workspace.get_root_dir(), raw, "model.pretrained", "the server")]
+                     confined(os.path.join(workspace.get_root_dir(), PRETRAINED_DIR), raw, "model.pretrained",
+                              "the server")]
         elif os.path.isabs(os.path.expanduser(raw)):
             tried = [os.path.expanduser(raw)]
         else:
@@ -119,8 +124,9 @@ class FedPartialPersistor(ModelPersistor):
         from fedpartial.models.io import load_model_file
 
         path = self.resume_from
-        if self._provisioned(fl_ctx):
-            path = confined(fl_ctx.get_engine().get_workspace().get_root_dir(), path, "resume_from", "the server")
+        if self._provisioned(fl_ctx):  # a checkpoint the operator put in <kit>/resume/, never another job's folder
+            path = confined(os.path.join(fl_ctx.get_engine().get_workspace().get_root_dir(), RESUME_DIR), path,
+                            "resume_from", "the server")
         if os.path.isdir(path):
             path = os.path.join(path, GLOBAL_MODEL_FILE)
         saved, meta = load_model_file(path)
