@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole one-machine demo in one command: data (HAM10000 from ../shared/data for single-label
 # jobs when present, else built-in synthetic) -> site files -> POC system ->
-# job -> downloaded global model -> test-set metrics -> everything stopped.
+# job -> downloaded global model -> everything stopped -> test-set metrics and the model card.
 #
 #   poc/run_demo.sh STATE_DIR [JOB] [--sites N] [--rounds R] [--set key=value]...
 #
@@ -41,10 +41,14 @@ step "2/6 POC kits for $SITES sites"
 "$DIR/stop.sh" "$STATE" >/dev/null 2>&1 || true   # a previous run's system, if any
 "$DIR/prepare.sh" "$STATE" --sites "$SITES" >/dev/null
 
+STOPPED=0
+stop_system() { STOPPED=1; "$DIR/stop.sh" "$STATE"; }
 cleanup() {
   local rc=$?
-  step "6/6 stopping the POC system"
-  "$DIR/stop.sh" "$STATE" || rc=1
+  if [[ "$STOPPED" == 0 ]]; then
+    step "stopping the POC system"
+    stop_system || rc=1
+  fi
   exit $rc
 }
 trap cleanup EXIT
@@ -62,10 +66,23 @@ RESULT="$(sed -n 's/^job .*: .*; result in //p' "$STATE/run_job.out" | tail -n 1
 MODEL="$("$PYTHON" -m fedpartial_tools.deploy results "$RESULT" | "$PYTHON" -c 'import json,sys; print(json.load(sys.stdin)["result_model"] or "")')"
 [[ -n "$MODEL" ]] || poc_die "no global_model.pt in $RESULT"
 
-step "5/6 metrics of the job's result model on the test split of $SOURCE"
-"$PYTHON" -m fedpartial evaluate --model "$MODEL" --data "$SOURCE" --split test --json \
-  | tee "$STATE/final_metrics.json"
-echo
+step "5/6 stopping the POC system"
+stop_system
+
+step "6/6 metrics of the job's result model on the test split of $SOURCE"
+"$PYTHON" -m fedpartial evaluate --model "$MODEL" --data "$SOURCE" --split test --json > "$STATE/final_metrics.json"
 echo "result model: $MODEL"
 echo "per-round server metrics: $(dirname "$MODEL")/metrics.json"
+echo "all test metrics (JSON): $STATE/final_metrics.json"
 echo "TensorBoard (every site's curves): tensorboard --logdir $NVFLARE_POC_WORKSPACE"
+echo
+# the table of that one evaluation (evaluating again would record it twice in the model card)
+"$PYTHON" - "$STATE/final_metrics.json" "$MODEL" <<'PY'
+import json, sys
+from fedpartial.models.io import read_model_file
+from fedpartial_tools.cli import format_evaluation
+print(format_evaluation(json.load(open(sys.argv[1])), read_model_file(sys.argv[2])["meta"]))
+PY
+CARD="$(dirname "$MODEL")/model_card.md"
+echo
+if [[ -f "$CARD" ]]; then echo "model card: $CARD"; else echo "model card: none beside $MODEL"; fi

@@ -78,7 +78,7 @@ case "$ACTION" in
         || echo "note: shutdown through the admin API failed (system not running?); stopping each kit" >&2
     fi
     VENV="$(cat "$WS/.kits_venv" 2>/dev/null || dirname "$(dirname "$PYTHON")")"
-    SITE_CMD="$VENV/bin/fedpartial-site"; [[ -x "$SITE_CMD" ]] || SITE_CMD="$PYTHON -m fedpartial.site.cli"
+    SITE_CMD="$VENV/bin/fedpartial-site"; [[ -x "$SITE_CMD" ]] || SITE_CMD="$PYTHON -m fedpartial.site.command"
     for kit in $(kits); do $SITE_CMD stop "$kit" --wait 30 >/dev/null; done
     "$PYTHON" -m fedpartial_tools.deploy stop-leftovers "$WS" --wait 15;;
   *) echo "error: unknown action '$ACTION'; $USAGE" >&2; exit 2;;

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedpartial.algorithms.thresholds import HISTOGRAM_KEY, NUM_BINS
 from fedpartial.data.types import MULTI_LABEL, SEGMENTATION, SINGLE_LABEL, Dataset, Split
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,7 +174,9 @@ def test_sites_send_only_parameters_and_aggregate_statistics(tmp_path, method):
         meta = dxo["meta"]
         # filter_history: FLARE's own record of which filters ran (class names only)
         assert set(meta) <= {MetaKey.NUM_STEPS_CURRENT_ROUND, MetaKey.INITIAL_METRICS, SITE_STATS, SITE_METRICS,
-                             SITE_TRAIN_SIZE, MetaKey.FILTER_HISTORY}, where
+                             SITE_TRAIN_SIZE, HISTOGRAM_KEY, MetaKey.FILTER_HISTORY}, where
+        for part, counts in (meta.get(HISTOGRAM_KEY) or {}).items():  # per-class counts of binned scores
+            assert part in ("pos", "neg") and np.shape(counts) == (C, NUM_BINS), (where, part, np.shape(counts))
         assert isinstance(meta.get(SITE_TRAIN_SIZE, 0), int), where  # one count, as the sample count
         assert all(isinstance(name, str) for name in meta.get(MetaKey.FILTER_HISTORY, [])), where
         for key in (SITE_METRICS, MetaKey.INITIAL_METRICS):  # flat dicts of numbers

@@ -213,7 +213,9 @@ def test_a_renamed_submit_task_gets_no_local_model_and_logs_stay_at_the_sites(sy
         assert f"site '{site}'" in logs[site] and "training images from" in logs[site]
     # what the server recorded of each site: counts only from >= 5 images, no key the policy does not know
     from fedpartial.flare.filters import METRIC_RULES
-    recorded_by_server = {"bytes_stats", "bytes_weights", "num_samples", "val"}
+    # what the aggregator adds of each site: sizes, sample count, validation, per-class val counts
+    # (summed from the histograms the policy released: >= 5 positives and negatives)
+    recorded_by_server = {"bytes_stats", "bytes_weights", "num_samples", "val", "val_counts"}
     rounds = json.loads(Path(result["metrics"]).read_text())["rounds"]
     for entry in rounds:
         for site, metrics in entry["sites"].items():
@@ -309,3 +311,43 @@ def test_monai_weight_loading_through_arch_args_is_refused(system, tmp_path):
     result = _run(system, tmp_path, job)
     _failed(result)
     assert "arch_args ['pretrained'] not allowed" in _logs(system, result)["localhost"]
+
+
+@pytest.mark.slow
+def test_a_job_giving_one_site_other_settings_is_refused(system, tmp_path):
+    """Two client apps: site-2's zeroes its update (an allow-listed filter at an extreme), so the
+    "average" would be site-1's local model times its weight."""
+    import shutil
+
+    job = _job(tmp_path, "two_apps")
+    shutil.copytree(job / "app", job / "app2")
+    _edit(job, "client", lambda c: None)
+    client2 = job / "app2" / "config" / "config_fed_client.json"
+    config = json.loads(client2.read_text())
+    config["task_result_filters"] = [{"tasks": ["train"], "filters": [{
+        "path": "nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",
+        "args": {"percentile": 100, "gamma": 1e-30}}]}]
+    client2.write_text(json.dumps(config))
+    meta = json.loads((job / "meta.json").read_text())
+    meta["deploy_map"] = {"app": ["server", "site-1"], "app2": ["site-2"]}
+    (job / "meta.json").write_text(json.dumps(meta))
+    result = _run(system, tmp_path, job)
+    _failed(result)
+    assert "the server refuses the job: its deploy_map gives the sites 2 different apps (app, app2)" in \
+        _logs(system, result)["localhost"]
+
+
+@pytest.mark.slow
+def test_a_round_on_one_image_sends_nothing(system, tmp_path):
+    """One iteration of batch size 1: the loss, and the weights' change, are one image's."""
+    job = _job(tmp_path, "one_image", ["rule_args.local_iterations=1", "rule_args.batch_size=1"])
+    result = _run(system, tmp_path, job)
+    _failed(result)
+    logs = _logs(system, result)
+    # the first site to answer ends the round (its answer is empty); the other may not get to train
+    assert any("result withheld: WEIGHTS trained on 1 image(s), fewer than 5" in logs[s] for s in SITES), logs
+    rounds = json.loads(Path(result["metrics"]).read_text())["rounds"] if result["metrics"] else []
+    assert not rounds, rounds
+    server_tb = list(Path(result["result_dir"]).rglob("tb_events/*/events.*"))
+    for path in server_tb:  # no curve of that round reached the server either
+        assert b"train/train_loss" not in path.read_bytes(), path

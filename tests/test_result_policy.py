@@ -350,3 +350,41 @@ def test_every_metric_a_client_rule_returns_has_a_release_rule(tmp_path, run):
     _, report = release_metrics({k: 1.0 for k in sent}, METRIC_RULES, scope_count=100, min_count=K)
     assert report["unknown"] == [], f"{run.__name__[1:]}: no release rule for {report['unknown']}"
     assert len(sent) >= 3  # the rule ran and returned its metrics
+
+
+def test_a_round_that_trained_on_fewer_than_k_images_sends_nothing():
+    """One iteration of batch size 1 over 124 images: the rule reports 124 samples, but the weights
+    and the loss come from one image. The executor's count of images drawn decides, and stays home."""
+    from fedpartial.flare.common import SITE_IMAGES_SEEN
+
+    metrics = {"train_loss": 1.94, "train_steps": 1, "train_seconds": 0.2}
+    out = _policy(_train_result(124, metrics, train_size=124, **{SITE_IMAGES_SEEN: 1}))
+    assert out.get_return_code() == ReturnCode.EMPTY_RESULT and "DXO" not in out
+    # 4 distinct images still too few; 5 is enough, and the count itself never leaves
+    assert _policy(_train_result(124, metrics, **{SITE_IMAGES_SEEN: 4})).get_return_code() == ReturnCode.EMPTY_RESULT
+    released = from_shareable(_policy(_train_result(124, metrics, **{SITE_IMAGES_SEEN: 5})))
+    assert SITE_IMAGES_SEEN not in released.meta
+    assert released.meta[SITE_METRICS] == metrics and released.meta[MetaKey.NUM_STEPS_CURRENT_ROUND] == 124
+    # a site taking no part (0 samples: FedIRM's unlabelled sites before they join) still answers
+    idle = from_shareable(_policy(_train_result(0, {"train_steps": 0}, train_size=124, **{SITE_IMAGES_SEEN: 0})))
+    assert idle.meta[MetaKey.NUM_STEPS_CURRENT_ROUND] == 0
+
+
+def test_images_drawn_are_counted_once_per_image():
+    from fedpartial.algorithms.segmentation import lesion_batches
+    from fedpartial.training.common import DRAWS, batch_indices, iteration_batches
+
+    rng = np.random.default_rng(0)
+    DRAWS.start()
+    list(iteration_batches(124, 1, 1, rng))
+    assert DRAWS.stop() == 1
+    DRAWS.start()
+    for _ in range(3):  # three epochs over the same 40 images: 40, not 120
+        list(batch_indices(40, 8, rng))
+    list(batch_indices(7, 8, rng))  # another array (a pool of 7): counted apart, the larger count wins
+    assert DRAWS.stop() == 40
+    DRAWS.start()
+    list(lesion_batches(np.array([True, False] * 10), 4, rng, lesion_fraction=0.5))
+    assert 10 <= DRAWS.stop() <= 20
+    DRAWS.record(5, np.arange(5))  # not counting: ignored
+    assert DRAWS.stop() == 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fedpartial.flare.site_config import load_site_config, offer_dataset
-from fedpartial.site import cli, kit as site_kit
+from fedpartial.site import command as cli, kit as site_kit
 from fedpartial_tools import provision
 
 REPO = Path(__file__).resolve().parents[1]

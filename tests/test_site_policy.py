@@ -62,11 +62,14 @@ def test_server_stops_a_job_for_another_runtime_version(tmp_path):
     development.mkdir()
     (provisioned / "local").mkdir(parents=True)
     (provisioned / "local" / "fedpartial_site.json").write_text('{"format_version": 1, "datasets": {}}')
+    (provisioned / "job").mkdir()  # the job's run folder holds its meta.json: one client app
+    (provisioned / "job" / "meta.json").write_text('{"deploy_map": {"app": ["@ALL"]}}')
 
     def start(version, root=development):
         fl_ctx = FLContext()
         engine = mock.MagicMock()
         engine.get_workspace.return_value.get_root_dir.return_value = str(root)
+        engine.get_workspace.return_value.get_run_dir.return_value = str(root / "job")
         fl_ctx.set_prop("__engine__", engine, private=True, sticky=False)
         FedPartialPersistor(model, runtime_version=version).handle_event(EventType.START_RUN, fl_ctx)
         panics = [c for c in engine.fire_event.call_args_list if c.args[0] == EventType.FATAL_SYSTEM_ERROR]
@@ -87,6 +90,10 @@ def test_server_stops_a_job_for_another_runtime_version(tmp_path):
     other_code = VERSION + "+sha256.000000000000"  # same version, other files
     panics, reason = start(other_code, provisioned)
     assert len(panics) == 1 and other_code in reason
+    # two client apps: one site could run other settings than the rest
+    (provisioned / "job" / "meta.json").write_text('{"deploy_map": {"app": ["server", "site-1"], "app2": ["site-2"]}}')
+    panics, reason = start(IDENTITY, provisioned)
+    assert len(panics) == 1 and "deploy_map gives the sites 2 different apps (app, app2)" in reason
 
 
 def _provision(tmp_path, **policy):

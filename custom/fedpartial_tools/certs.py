@@ -23,7 +23,7 @@ import re
 import shutil
 from typing import Dict, List, Optional, Sequence
 
-from fedpartial.site.certs import ROOT, _cn, _kits, _load, expiry_report, format_report  # noqa: F401
+from fedpartial.site.certificates import ROOT, _cn, _kits, _load, expiry_report, format_report  # noqa: F401
 
 
 def state_file(workspace: str, project: str) -> str:

@@ -1,6 +1,7 @@
-"""Command line. ``python -m fedpartial {import,split,simulate,evaluate,package-job,pseudo-labels,synthetic}``
-are the user's commands (``import {dicom,images,nifti}``: a site's own data + label CSV -> site
-file); ``python -m fedpartial_tools`` adds the developer's: ``bench``, ``bench-report``,
+"""Command line. ``python -m fedpartial {import,split,simulate,evaluate,predict,export,package-job,pseudo-labels,
+synthetic}`` are the user's commands (``import {dicom,images,nifti}``: a site's own data + label CSV -> site
+file; ``predict {dicom,images,nifti}``: a model on a site's own images; ``export``: a model as TorchScript or
+a MONAI bundle); ``python -m fedpartial_tools`` adds the developer's: ``bench``, ``bench-report``,
 ``throughput`` and ``jobs``."""
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ _SEGMENTATION_KEYS = ("dice_per_image", "dice_pooled", "iou_per_image", "iou_poo
 
 
 def _cmd_evaluate(args):
-    from fedpartial_tools.evaluate import evaluate_data
+    from fedpartial_tools.evaluate import evaluate_data, record_in_model_card
     from fedpartial.flare.common import jsonable
     from fedpartial.models.io import load_model_file
     from fedpartial.training.common import select_device
@@ -87,6 +88,9 @@ def _cmd_evaluate(args):
         print(json.dumps(jsonable(out), indent=None if args.compact else 1))
     else:
         print(format_evaluation(out, meta))
+    card = record_in_model_card(args.model, result, args.threshold)
+    if card:
+        print(f"evaluation added to {card}", file=sys.stderr)
 
 
 def _cell(value) -> str:
@@ -262,8 +266,9 @@ def build_parser(developer: bool = False) -> argparse.ArgumentParser:
     s.add_argument("--split", default=None,
                    help="split to score (default: 'val' for site files, which without one need --split train; "
                         "else 'test', or the only split present)")
-    s.add_argument("--threshold", type=float, default=0.5,
-                   help="probability threshold of multi-label and segmentation decisions")
+    s.add_argument("--threshold", type=float, default=None,
+                   help="probability threshold of multi-label and segmentation decisions (default: the model "
+                        "file's decision_thresholds, else 0.5)")
     s.add_argument("--device", default="auto")
     s.add_argument("--json", action="store_true", help="print the full result as JSON instead of the table")
     s.add_argument("--compact", action="store_true", help="one line of JSON (implies --json)")
@@ -287,9 +292,13 @@ def build_parser(developer: bool = False) -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.set_defaults(func=_cmd_synthetic)
 
+    from fedpartial_tools.export import add_export_parser
     from fedpartial_tools.importer import add_import_parser
+    from fedpartial_tools.predict import add_predict_parser
 
     add_import_parser(sub)
+    add_predict_parser(sub)
+    add_export_parser(sub)
     if developer:
         from fedpartial_tools.bench import add_bench_parser
         from fedpartial_tools.recipes import add_jobs_parser

@@ -281,7 +281,7 @@ def _cmd_wait_sites(args):
 
 
 def _cmd_cert_expiry(args):
-    from fedpartial.site.cli import print_cert_expiry
+    from fedpartial.site.command import print_cert_expiry
 
     print_cert_expiry(args.path, args.warn_days, args.json)
 
@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
-    from fedpartial.site.cli import run
+    from fedpartial.site.command import run
 
     run(build_parser(), argv, errors=(ValueError, FileNotFoundError, RuntimeError, TimeoutError))
 

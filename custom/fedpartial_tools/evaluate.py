@@ -236,7 +236,7 @@ def data_sources(path: str):
 
 
 def evaluate_data(model, meta: dict, path: str, split: Optional[str] = None, device="cpu",
-                  threshold: float = 0.5) -> dict:
+                  threshold: Optional[float] = None) -> dict:
     """Metrics of a model on a ``.npz`` file or a folder of site files (``evaluate``).
 
     Classification: images are resized to the model's ``input_size``; site files are scored
@@ -252,7 +252,9 @@ def evaluate_data(model, meta: dict, path: str, split: Optional[str] = None, dev
             a site folder, or a folder of site files / site folders.
         split: split to score in every file; None = each file's default (:func:`pick_split`).
         device: torch device.
-        threshold: multi-label / segmentation probability threshold.
+        threshold: one multi-label / segmentation probability threshold for every class; None = the
+            model file's ``decision_thresholds``, else 0.5
+            (:func:`fedpartial_tools.predict.decision_thresholds`).
 
     Returns:
         for a file ``{"data", "split", "n", **metrics}``; for a folder ``{"data", "split", "n",
@@ -262,8 +264,11 @@ def evaluate_data(model, meta: dict, path: str, split: Optional[str] = None, dev
     Raises:
         DataError: a missing split, a task or class-name mismatch (messages name the file).
     """
+    from fedpartial_tools.predict import decision_thresholds
+
     files, is_folder = data_sources(path)
     task = meta["task"]
+    thresholds = decision_thresholds(meta, threshold)  # per class; single-label metrics use argmax
     model_size = _model_size(meta)
     rows, pool, notes = {}, [], []
     for file in files:
@@ -278,7 +283,8 @@ def evaluate_data(model, meta: dict, path: str, split: Optional[str] = None, dev
             key = os.path.basename(file)
         row = {"file": os.path.abspath(file), "split": name, "n": len(part)}
         if task == SEGMENTATION:
-            counts = segmentation_overlaps_native(model, part, meta["normalisation"], device, model_size, threshold)
+            counts = segmentation_overlaps_native(model, part, meta["normalisation"], device, model_size,
+                                                  float(thresholds[0]))
             native = f"{part.images.shape[1]}x{part.images.shape[2]}"
             row.update(_segmentation_result(counts, {native}, model_size))
             pool.append((counts, native))
@@ -287,7 +293,7 @@ def evaluate_data(model, meta: dict, path: str, split: Optional[str] = None, dev
 
             probs = _classification_probs(model, part, meta, device)
             mask = part.label_mask if data.site else None  # a source file's labels are complete
-            row.update(classification_metrics(probs, part.labels, task, list(data.class_names), threshold=threshold,
+            row.update(classification_metrics(probs, part.labels, task, list(data.class_names), threshold=thresholds,
                                               label_mask=mask))
             pool.append((probs, part.labels, part.label_mask if part.label_mask is not None
                          else np.ones(part.labels.shape, bool), mask is not None))
@@ -306,9 +312,37 @@ def evaluate_data(model, meta: dict, path: str, split: Optional[str] = None, dev
 
             masked = any(m for *_, m in pool)
             pooled = classification_metrics(np.concatenate([p[0] for p in pool]), np.concatenate([p[1] for p in pool]),
-                                            task, list(meta["class_names"]), threshold=threshold,
+                                            task, list(meta["class_names"]), threshold=thresholds,
                                             label_mask=np.concatenate([p[2] for p in pool]) if masked else None)
         out.update({"sites": rows, "pooled": pooled})
     if notes:
         out["notes"] = sorted(set(notes))
     return out
+
+
+def record_in_model_card(model_file: str, result: dict, threshold: Optional[float] = None) -> Optional[str]:
+    """Append an ``evaluate`` result to the model card beside ``model_file`` (``model_card.json`` /
+    ``.md`` written by the server at the end of the job, :mod:`fedpartial.flare.model_card`), when
+    there is one: the data, split, image count, date, threshold and the scalar metrics (pooled
+    over the sites for a folder).
+
+    Args:
+        model_file: the evaluated model file.
+        result: :func:`evaluate_data`'s result.
+        threshold: the ``--threshold`` given (None: the model file's decision thresholds, else 0.5).
+
+    Returns:
+        the card's ``.md`` path, or None when no card is beside the file.
+    """
+    import datetime
+
+    from fedpartial.flare.model_card import append_evaluation
+
+    scores = result.get("pooled") if "sites" in result else result
+    metrics = {k: v for k, v in scores.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+               and k != "n"}
+    entry = {"model": os.path.basename(model_file), "data": result["data"], "split": result["split"],
+             "n": result["n"], "threshold": "the file's decision_thresholds" if threshold is None else threshold,
+             "metrics": metrics,
+             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return append_evaluation(model_file, entry)

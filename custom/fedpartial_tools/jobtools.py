@@ -23,7 +23,7 @@ from fedpartial.algorithms.registry import rule_path
 from fedpartial.flare.common import runtime_identity
 
 CONFIGS = {"server": "config_fed_server.json", "client": "config_fed_client.json"}
-RESULT_FILES = ("global_model.pt", "best_global_model.pt", "metrics.json")
+RESULT_FILES = ("global_model.pt", "best_global_model.pt", "metrics.json", "model_card.md", "model_card.json")
 
 
 def parse_value(text: str):

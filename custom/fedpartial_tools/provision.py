@@ -223,7 +223,7 @@ requires-python = {json.dumps(project.get("requires-python", ">=3.10"))}
 dependencies = [{deps}]
 
 [project.scripts]
-fedpartial-site = "fedpartial.site.cli:main"
+fedpartial-site = "fedpartial.site.command:main"
 
 [tool.setuptools.packages.find]
 include = ["fedpartial", "fedpartial.*"]

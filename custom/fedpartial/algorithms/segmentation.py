@@ -26,8 +26,8 @@ import torch
 
 from fedpartial.algorithms.base import ClientContext, ClientRule, RoundInput, RoundResult
 from fedpartial.data.types import DataError
-from fedpartial.training.common import (ImageSource, batch_indices, predict_batches, round_seed, seed_everything,
-                                        take_rows)
+from fedpartial.training.common import (DRAWS, ImageSource, batch_indices, predict_batches, round_seed,
+                                        seed_everything, take_rows)
 
 #: What :class:`SegmentationSupervisedClient` returns in ``metrics`` (sent as ``site_metrics``) and
 #: when a site's result policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
@@ -165,6 +165,7 @@ def lesion_batches(has_lesion: np.ndarray, batch_size: int, rng: np.random.Gener
             others = np.flatnonzero(~has_lesion[idx])[:short]
             idx = idx.copy()
             idx[others] = rng.choice(lesion_rows, size=len(others), replace=True)
+        DRAWS.record(n, idx)
         yield idx
 
 

@@ -20,11 +20,16 @@ from nvflare.app_common.app_constant import AppConstants
 from fedpartial.algorithms.base import ServerContext, SiteUpdate
 from fedpartial.algorithms.registry import build_rule, rule_class
 from fedpartial.algorithms.robust import WEIGHT_RULES, UpdateScreen, trim_count
+from fedpartial.algorithms.thresholds import HISTOGRAM_KEY, check_histograms, choose_thresholds, pool_histograms
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE, atomic_write_json,
                                      build_model_from_settings, jsonable, model_settings)
 from fedpartial.metrics.segmentation import pooled_validation
 
 METRICS_FILE = "metrics.json"
+#: FLContext property (private, on the workflow's context) holding the round's decision thresholds
+#: for the persistor: :func:`fedpartial.algorithms.thresholds.choose_thresholds`' result plus
+#: ``model_round`` / ``validated_at`` / ``sites``. Kept off the global model's meta, which goes to the sites.
+DECISION_THRESHOLDS = "fedpartial.decision_thresholds"
 
 
 def payload_bytes(values) -> int:
@@ -129,6 +134,7 @@ class RuleAggregator(Aggregator):
         trim_count(1, trim_fraction)  # raises for a fraction outside [0, 0.5)
         self.rule_path = rule
         self.rule = build_rule("server", rule, rule_args)
+        self.settings = model_settings(model) if model else None
         self.classifier_names = classifier_names(model, rule)
         self.min_valid_updates = int(min_valid_updates)
         self.screen = UpdateScreen(cap_samples=cap_samples, max_norm_ratio=max_norm_ratio)
@@ -137,6 +143,7 @@ class RuleAggregator(Aggregator):
         self.rejected: Dict[str, str] = {}
         self.capped: Dict[str, str] = {}
         self.history: List[dict] = []
+        self.histograms: Dict[str, dict] = {}  # site -> its validation histograms of this round
         self._restored = False
 
     def _global(self, fl_ctx: FLContext):
@@ -198,8 +205,45 @@ class RuleAggregator(Aggregator):
             self.capped[site] = capped
             self.log_warning(fl_ctx, f"site '{site}' {capped}")
         self.updates.append(update)
+        self._take_histograms(fl_ctx, site, dxo.get_meta_prop(HISTOGRAM_KEY))
         self.log_info(fl_ctx, f"accepted the update of site '{site}' ({update.num_samples} samples)")
         return True
+
+    def _threshold_classes(self) -> List[str]:
+        """The classes decision thresholds are chosen for: a classification job's (needs the model block)."""
+        from fedpartial.data.types import SEGMENTATION
+
+        if not self.settings or self.settings["task"] == SEGMENTATION:
+            return []
+        return [str(c) for c in self.settings["class_names"]]
+
+    def _take_histograms(self, fl_ctx: FLContext, site: str, value) -> None:
+        """Keep a site's validation histograms for this round's thresholds. Malformed ones are dropped
+        with a warning, not the update: they do not touch the model."""
+        if value is None or not self._threshold_classes():
+            return
+        try:
+            self.histograms[site] = check_histograms(value, len(self._threshold_classes()))
+        except ValueError as e:
+            self.log_warning(fl_ctx, f"site '{site}': validation histograms ignored: {e}")
+
+    def _decision_thresholds(self, fl_ctx: FLContext, ctx: ServerContext) -> None:
+        """Pick each class's threshold from the histograms of the sites whose update was kept; they
+        describe the global model the sites received, i.e. the model of the round before. Recorded
+        in the round's report and handed to the persistor (:data:`DECISION_THRESHOLDS`)."""
+        classes = self._threshold_classes()
+        if not classes:
+            return
+        kept = {u.site for u in self.updates}
+        per_site = {s: h for s, h in sorted(self.histograms.items()) if s in kept}
+        try:
+            record = choose_thresholds(pool_histograms(per_site), classes)
+        except ValueError as e:  # sites sent different bin counts: no thresholds this round
+            self.log_warning(fl_ctx, f"round {ctx.round}: no decision thresholds: {e}")
+            return
+        record.update(model_round=ctx.round - 1, validated_at=ctx.round, sites=len(per_site))
+        ctx.report["decision_thresholds"] = record
+        fl_ctx.set_prop(DECISION_THRESHOLDS, record, private=True, sticky=False)
 
     def aggregate(self, fl_ctx: FLContext) -> Shareable:
         self._restore(fl_ctx)
@@ -232,6 +276,7 @@ class RuleAggregator(Aggregator):
                                          f"on any of the {pooled['n_images']} validation images of "
                                          f"{pooled['sites']} site(s)")
         global_stats = self._withhold_small_sums(fl_ctx, global_stats, ctx)
+        self._decision_thresholds(fl_ctx, ctx)
         self._record(fl_ctx, ctx.round, ctx.report)
         self.log_info(fl_ctx, f"round {ctx.round}: aggregated {len(self.updates)} update(s) with {self.rule_path}")
         return DXO(DataKind.WEIGHTS, data=weights, meta={GLOBAL_STATS: global_stats}).to_shareable()
@@ -286,12 +331,22 @@ class RuleAggregator(Aggregator):
         self.history.append({"round": round_num, "aggregated_at": time.time(),
                              "sites": {u.site: {"num_samples": u.num_samples, **u.metrics,
                                                 "bytes_weights": payload_bytes(u.weights),
-                                                "bytes_stats": payload_bytes(u.stats)} for u in self.updates},
+                                                "bytes_stats": payload_bytes(u.stats),
+                                                **self._val_counts(u.site)} for u in self.updates},
                              "server": jsonable(report or {}),
                              "rejected": dict(self.rejected)})
         atomic_write_json(path, {"rounds": self.history})
 
+    def _val_counts(self, site: str) -> dict:
+        """``{"val_counts": {"pos": [C], "neg": [C]}}``: the site's validation images per class behind its
+        histograms (0 = withheld by its policy or not annotated); {} without histograms."""
+        hist = self.histograms.get(site)
+        if hist is None:
+            return {}
+        return {"val_counts": {part: hist[part].sum(axis=1).tolist() for part in ("pos", "neg")}}
+
     def reset(self, fl_ctx: FLContext):
         self.updates = []
+        self.histograms = {}
         self.rejected = {}
         self.capped = {}

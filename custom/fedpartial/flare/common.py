@@ -16,6 +16,9 @@ SITE_STATS = "site_stats"
 SITE_METRICS = "site_metrics"
 # the size of the site's train split, sent with every update: the server caps sample counts at the first
 SITE_TRAIN_SIZE = "site_train_size"
+# distinct images the round's training drew (fedpartial.training.common.DRAWS): the site policy's
+# evidence of how many images stand behind the weights and metrics; it never leaves the site
+SITE_IMAGES_SEEN = "site_images_seen"
 
 
 #: files of the package that make up the runtime's identity (the wheel ships exactly these)

@@ -20,11 +20,12 @@ from fedpartial.algorithms.base import ClientContext, RoundInput
 from fedpartial.algorithms.registry import build_rule
 from fedpartial.algorithms.thresholds import HISTOGRAM_KEY
 from fedpartial.data.types import SEGMENTATION
-from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE, build_model_from_settings,
-                                     model_settings, runtime_description, runtime_version_error)
-from fedpartial.flare.site_config import (SITE_CONFIG, check_provisioned_job, confined, load_site_config,
-                                          offered_data_root)
-from fedpartial.training.common import (check_memory_format, load_state_numpy, place_model, select_device,
+from fedpartial.flare.common import (GLOBAL_STATS, SITE_IMAGES_SEEN, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE,
+                                     build_model_from_settings, model_settings, runtime_description,
+                                     runtime_version_error)
+from fedpartial.flare.site_config import (MIN_COUNT, SITE_CONFIG, check_provisioned_job, confined,
+                                          load_site_config, offered_data_root)
+from fedpartial.training.common import (DRAWS, check_memory_format, load_state_numpy, place_model, select_device,
                                         state_dict_numpy)
 
 DATA_ROOT_ENV = "FEDPARTIAL_DATA_ROOT"
@@ -170,6 +171,7 @@ class FedPartialExecutor(Executor):
         self.train_task_name, self.submit_model_task_name = train_task_name, submit_model_task_name
         self.validate_task_name = validate_task_name
         self.site = None
+        self.stream_floor = 0
         self.rule = None
         self.model = None
         self.writer = None
@@ -204,6 +206,9 @@ class FedPartialExecutor(Executor):
             raise ValueError(wrong_runtime)
         # every check that can refuse the job comes before anything is read or written
         cache_dir = ""
+        # the analytics stream passes no result filter: a provisioned site streams a curve only
+        # when at least min_count images stand behind it (its file's "min_count", default 5)
+        self.stream_floor = int(site_config.get("min_count", MIN_COUNT)) if site_config is not None else 0
         if site_config is not None:
             data_root = offered_data_root(site_config, self.dataset, self.data_root, self.reference_file, where)
             check_provisioned_job(site_config, self.data_file, self.settings, where)
@@ -240,7 +245,7 @@ class FedPartialExecutor(Executor):
         self.rule = rule
         self._abort_signal = None
         ctx = ClientContext(site=self.site, data=self.data, device=self.device, state_dir=state_dir, seed=self.seed,
-                            log=lambda msg: self.log_info(fl_ctx, msg), add_scalar=self._add_scalar,
+                            log=lambda msg: self.log_info(fl_ctx, msg), add_scalar=self._add_rule_scalar,
                             abort=self._aborted, normalisation=self.settings["normalisation"], reference=reference)
         self.rule.setup(ctx)
         n_train = len(self.data.splits["train"])
@@ -251,17 +256,24 @@ class FedPartialExecutor(Executor):
     def _aborted(self) -> bool:
         return bool(self._abort_signal is not None and self._abort_signal.triggered)
 
-    def _add_scalar(self, tag, value, step):
+    def _add_scalar(self, tag, value, step, stream: bool = True):
+        """A scalar for TensorBoard: always in the site's own files; streamed to the server when
+        ``stream`` (the caller's count check) and the job has an analytics writer."""
         if value is None or not np.isfinite(value):
             return
         if self.writer is not None:
             self.writer.add_scalar(tag, float(value), step)
-        if self.analytics is not None and not self._analytics_failed:
+        if stream and self.analytics is not None and not self._analytics_failed:
             try:
                 self.analytics.add_scalar(tag, float(value), global_step=int(step))
             except Exception as e:  # the curves are a convenience: never fail a round over them
                 self._analytics_failed = True
                 self._log(f"streaming metrics to the server stopped: {type(e).__name__}: {e}")
+
+    def _add_rule_scalar(self, tag, value, step):
+        # a rule's own scalars come from inside a round, before anyone knows how many images it
+        # drew: a provisioned site keeps them in its own files
+        self._add_scalar(tag, value, step, stream=not self.stream_floor)
 
     # ---- tasks ----------------------------------------------------------------------------
     def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext, abort_signal: Signal) -> Shareable:
@@ -292,9 +304,14 @@ class FedPartialExecutor(Executor):
         started = time.time()
         val_metrics = self.evaluate(self.model)
         histograms = self.val_histograms(self.model)
+        val_images = len(self.data.splits["val"]) if "val" in self.data.splits else 0
         for k, v in val_metrics.items():
-            self._add_scalar(f"val/{k}", v, round_num)
-        result = self.rule.train_round(self.model, RoundInput(round_num, num_rounds, global_stats))
+            self._add_scalar(f"val/{k}", v, round_num, stream=val_images >= self.stream_floor)
+        DRAWS.start()
+        try:
+            result = self.rule.train_round(self.model, RoundInput(round_num, num_rounds, global_stats))
+        finally:
+            seen = DRAWS.stop()
         if abort_signal.triggered:
             return make_reply(ReturnCode.TASK_ABORTED)
         self.local_weights = state_dict_numpy(self.model)
@@ -302,7 +319,7 @@ class FedPartialExecutor(Executor):
         metrics["train_seconds"] = time.time() - started
         for k, v in metrics.items():
             if isinstance(v, (int, float, np.floating, np.integer)):
-                self._add_scalar(f"train/{k}", float(v), round_num)
+                self._add_scalar(f"train/{k}", float(v), round_num, stream=seen >= self.stream_floor)
         self.log_info(fl_ctx, f"round {round_num + 1}/{num_rounds}: received model {self.key_metric}="
                               f"{val_metrics.get(self.key_metric, float('nan')):.4f}; "
                               + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, (int, float))))
@@ -312,6 +329,7 @@ class FedPartialExecutor(Executor):
         out.set_meta_prop(SITE_STATS, result.stats)
         out.set_meta_prop(SITE_METRICS, metrics)
         out.set_meta_prop(SITE_TRAIN_SIZE, len(self.data.splits["train"]))
+        out.set_meta_prop(SITE_IMAGES_SEEN, int(seen))  # read by the site's policy, never sent
         if histograms is not None:
             out.set_meta_prop(HISTOGRAM_KEY, histograms)
         return out.to_shareable()

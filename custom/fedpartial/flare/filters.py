@@ -40,7 +40,8 @@ from nvflare.apis.dxo_filter import DXOFilter
 from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.algorithms import fedavg, fedia, fedirm, fedlsm, fedmlp, segmentation
-from fedpartial.flare.common import SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE
+from fedpartial.algorithms.thresholds import HISTOGRAM_KEY, check_histograms
+from fedpartial.flare.common import SITE_IMAGES_SEEN, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE
 
 #: Every statistic a method's client rule sends: each method module's ``SENT_STATISTICS`` (keys,
 #: the count keys that guard them, fills, clips), gathered here by preset name. The site policy's
@@ -438,11 +439,41 @@ def guard_site_stats(stats: dict, min_count: int, noise_sigma: Optional[Dict[str
     return filtered, report
 
 
+def guard_histograms(value, min_count: int) -> tuple:
+    """The validation histograms of a train result (:data:`HISTOGRAM_KEY`: ``{"pos", "neg"}``, each
+    ``(C, bins)`` counts, :func:`fedpartial.algorithms.thresholds.probability_histograms`) that may
+    leave the site.
+
+    Class ``c``'s two rows leave only when they hold at least ``max(k, 1)`` positives AND at least
+    ``max(k, 1)`` negatives; otherwise both are sent as zero rows, which the server reads as
+    "absent" (as a class the site does not annotate). A histogram is a count of images per bin, so
+    a class with a handful of positives would place each of them.
+
+    Args:
+        value: what the executor put under :data:`HISTOGRAM_KEY`.
+        min_count: k.
+
+    Returns:
+        ``(released or None, withheld_classes)``: None (withhold the key whole) when ``value`` is not
+        two equally shaped arrays of non-negative whole counts; ``withheld_classes`` counts the
+        classes zeroed that held something.
+    """
+    try:
+        hist = check_histograms(value)
+    except ValueError:
+        return None, 0
+    need = max(int(min_count), 1)
+    pos_n, neg_n = hist["pos"].sum(axis=1), hist["neg"].sum(axis=1)
+    released = (pos_n >= need) & (neg_n >= need)
+    out = {part: np.where(released[:, None], rows, 0) for part, rows in hist.items()}
+    return out, int(((pos_n + neg_n > 0) & ~released).sum())
+
+
 #: Meta keys a train result may carry: what ``FedPartialExecutor._train`` sets, and FLARE's own
 #: ``filter_history`` (``DXOFilter`` appends the class name of each filter that changed the DXO;
 #: ``DXO.to_shareable`` adds no meta). FLARE's headers live on the Shareable, not in the meta.
 TRAIN_RESULT_META = (MetaKey.NUM_STEPS_CURRENT_ROUND, MetaKey.INITIAL_METRICS, SITE_STATS, SITE_METRICS,
-                     SITE_TRAIN_SIZE, MetaKey.FILTER_HISTORY)
+                     SITE_TRAIN_SIZE, HISTOGRAM_KEY, MetaKey.FILTER_HISTORY, SITE_IMAGES_SEEN)
 #: DXO kind -> the meta keys it may carry; any other kind is withheld whole.
 RESULT_META: Dict[str, Tuple[str, ...]] = {DataKind.WEIGHTS: TRAIN_RESULT_META,
                                            DataKind.WEIGHT_DIFF: TRAIN_RESULT_META,
@@ -466,6 +497,7 @@ def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
       ``site_train_size`` below k is removed (the aggregator takes it as optional);
       ``site_stats``: :func:`guard_site_stats`; ``site_metrics``: :data:`METRIC_RULES` with the
       released sample count as scope; ``initial_metrics``: :data:`VALIDATION_RULES`;
+      ``val_histograms``: :func:`guard_histograms` (a class's rows need k positives and k negatives);
       ``filter_history``: kept when it is a list of names.
     * data: a METRICS DXO's data is released by :data:`VALIDATION_RULES`; weights are the gate's
       business (``fedpartial.flare.site_policy.LocalModelGate``) and pass.
@@ -500,6 +532,16 @@ def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
     meta = {key: value for key, value in meta.items() if key in RESULT_META[kind]}
     k = int(min_count)
 
+    # how many distinct images the training drew: read here, never sent; a result that trained on
+    # 1..k-1 images (one iteration of batch size 1, whatever sample count the rule reports) would
+    # carry those images in its weights and metrics: withheld whole
+    seen = meta.pop(SITE_IMAGES_SEEN, None)
+    if seen is not None and not _is_count(seen):
+        seen = 0
+    claims = meta.get(MetaKey.NUM_STEPS_CURRENT_ROUND)
+    if seen is not None and k > 0 and seen < k and _is_count(claims) and claims > 0:
+        report["kind"] = f"{getattr(kind, 'value', kind)} trained on {seen} image(s), fewer than {k}"
+        return None, None, report
     samples = meta.get(MetaKey.NUM_STEPS_CURRENT_ROUND)
     if MetaKey.NUM_STEPS_CURRENT_ROUND in meta:
         if not _is_count(samples):
@@ -528,6 +570,15 @@ def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
             meta[SITE_STATS], stats_report = guard_site_stats(stats, k, noise_sigma, rng, where)
             note(SITE_STATS, withheld=stats_report["no_count"], unknown=stats_report["removed"])
             report["stats_rows"], report["methods"] = stats_report["withheld"], stats_report["methods"]
+    if HISTOGRAM_KEY in meta:
+        hist, withheld_classes = guard_histograms(meta[HISTOGRAM_KEY], k)
+        if hist is None:
+            del meta[HISTOGRAM_KEY]
+            note("meta", withheld=[HISTOGRAM_KEY])
+        else:
+            meta[HISTOGRAM_KEY] = hist
+            if withheld_classes:
+                report["stats_rows"][HISTOGRAM_KEY] = withheld_classes
     for part, rules in ((SITE_METRICS, METRIC_RULES), (MetaKey.INITIAL_METRICS, VALIDATION_RULES)):
         if part not in meta:
             continue
@@ -538,6 +589,8 @@ def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
             continue
         # training metrics describe the round's samples; validation metrics their val images
         scope = samples if part == SITE_METRICS else values.get(VALIDATION_SCOPE)
+        if part == SITE_METRICS and seen is not None and _is_count(scope):
+            scope = min(scope, seen)
         meta[part], part_report = release_metrics(values, rules, scope, k)
         note(part, part_report["withheld"], part_report["unknown"])
     data = dict(data or {})
@@ -604,7 +657,9 @@ class SiteResultPolicy(Filter):
         except ValueError as e:  # a malformed statistic: FLARE answers TASK_RESULT_FILTER_ERROR, nothing leaves
             raise ValueError(f"task '{task}': {e}") from e
         if data is None:
-            self.log_warning(fl_ctx, f"{where}: result withheld: DXO kind '{report['kind']}' is not one a site sends")
+            why = (report["kind"] if " " in report["kind"] else
+                   f"DXO kind '{report['kind']}' is not one a site sends")
+            self.log_warning(fl_ctx, f"{where}: result withheld: {why}")
             return make_reply(ReturnCode.EMPTY_RESULT)
         for key in payload:
             del shareable[key]

@@ -18,7 +18,8 @@ from nvflare.app_common.app_constant import AppConstants
 from nvflare.app_common.app_event_type import AppEventType
 from nvflare.app_common.model_desc import ModelDescriptor
 
-from fedpartial.flare.aggregators import METRICS_FILE
+from fedpartial.algorithms.thresholds import threshold_meta
+from fedpartial.flare.aggregators import DECISION_THRESHOLDS, METRICS_FILE
 from fedpartial.flare.common import (GLOBAL_STATS, build_model_from_settings, model_file_meta, model_settings,
                                      runtime_description, runtime_version_error)
 from fedpartial.flare.site_config import confined, load_site_config
@@ -29,6 +30,35 @@ BEST_MODEL_FILE = "best_global_model.pt"
 #: the folders of a provisioned server's kit a job may read weights from (by relative path)
 PRETRAINED_DIR, RESUME_DIR = "pretrained", "resume"
 SERVER_MODELS = {"SRV_global_model": GLOBAL_MODEL_FILE, "SRV_best_global_model": BEST_MODEL_FILE}
+
+
+def one_client_app_error(fl_ctx: FLContext) -> str:
+    """Why a provisioned server refuses the job's deployment ("" = fine): every site must run the
+    same app. With two client apps (``deploy_map``), one site could run settings the others do not
+    (no training, a filter that zeroes its update), and the average the job's submitter downloads
+    would give away another site's local model.
+
+    The job's ``meta.json`` sits in the server's run folder; a job whose deployment cannot be read
+    is refused too.
+    """
+    import json
+
+    run_dir = fl_ctx.get_engine().get_workspace().get_run_dir(fl_ctx.get_job_id())
+    try:
+        with open(os.path.join(run_dir, "meta.json")) as f:
+            deploy_map = json.load(f).get("deploy_map", {})
+    except (OSError, ValueError) as e:
+        return f"the server refuses the job: its deploy_map cannot be read ({e})"
+    client_apps = []
+    for app, targets in (deploy_map or {}).items():
+        names = [t if isinstance(t, str) else (t or {}).get("sites", t) for t in targets or []]
+        flat = [n for t in names for n in (t if isinstance(t, list) else [t])]
+        if any(str(n).lower() != "server" for n in flat):
+            client_apps.append(app)
+    if len(client_apps) > 1:
+        return (f"the server refuses the job: its deploy_map gives the sites {len(client_apps)} different apps "
+                f"({', '.join(sorted(client_apps))}); every site runs the same app")
+    return ""
 
 
 class FedPartialPersistor(ModelPersistor):
@@ -67,6 +97,7 @@ class FedPartialPersistor(ModelPersistor):
         self.model = build_model_from_settings(self.settings)
         self.resume_from = str(resume_from or "")
         self.run_dir = None
+        self._best_copied = False  # best_global_model.pt was copied this round: stamp its thresholds
 
     def _dir(self, fl_ctx: FLContext) -> str:
         if self.run_dir is None:
@@ -158,6 +189,9 @@ class FedPartialPersistor(ModelPersistor):
         meta = learnable.get(ModelLearnableKey.META) or {}
         extra = {"round": None if round_num is None else int(round_num), "job_id": fl_ctx.get_job_id(),
                  GLOBAL_STATS: meta.get(GLOBAL_STATS, {})}
+        thresholds = fl_ctx.get_prop(DECISION_THRESHOLDS)
+        if thresholds:  # this round's: they describe the previous model, and say so
+            extra["decision_thresholds"] = threshold_meta(thresholds, extra["round"])
         save_weights_file(os.path.join(self._dir(fl_ctx), GLOBAL_MODEL_FILE), learnable[ModelLearnableKey.WEIGHTS],
                           self.model.spec, model_file_meta(self.settings, **extra))
 
@@ -168,8 +202,10 @@ class FedPartialPersistor(ModelPersistor):
     def handle_event(self, event_type: str, fl_ctx: FLContext):
         super().handle_event(event_type, fl_ctx)
         if event_type == EventType.START_RUN:
-            wrong_runtime = runtime_version_error(self.runtime_version, "the server",
-                                                  required_at_site=self._provisioned(fl_ctx))
+            provisioned = self._provisioned(fl_ctx)
+            wrong_runtime = runtime_version_error(self.runtime_version, "the server", required_at_site=provisioned)
+            if not wrong_runtime and provisioned:
+                wrong_runtime = one_client_app_error(fl_ctx)
             if wrong_runtime:
                 # logged in full first: the panic reason alone may reach the log shortened
                 self.log_error(fl_ctx, wrong_runtime)
@@ -182,7 +218,49 @@ class FedPartialPersistor(ModelPersistor):
             src = os.path.join(self._dir(fl_ctx), GLOBAL_MODEL_FILE)
             if os.path.isfile(src):
                 shutil.copyfile(src, os.path.join(self._dir(fl_ctx), BEST_MODEL_FILE))
+                self._best_copied = True
                 self.log_info(fl_ctx, f"new best global model saved to {BEST_MODEL_FILE}")
+        elif event_type == EventType.END_RUN:
+            self._write_model_card(fl_ctx)
+        elif event_type == AppEventType.AFTER_AGGREGATION and self._best_copied:
+            # The aggregator has just chosen thresholds from the validation the selector judged, i.e.
+            # of the copied model: they replace the older ones the copy carried.
+            self._best_copied = False
+            self._stamp_best(fl_ctx)
+
+    def _write_model_card(self, fl_ctx: FLContext) -> None:
+        """``model_card.md`` / ``.json`` beside the result models (:mod:`fedpartial.flare.model_card`);
+        a failure is logged, never raised: the models are saved already."""
+        from fedpartial.flare.model_card import write_model_card
+
+        try:
+            workspace = fl_ctx.get_engine().get_workspace()
+            job_id = fl_ctx.get_job_id()
+            if not os.path.isfile(os.path.join(self._dir(fl_ctx), GLOBAL_MODEL_FILE)):
+                return  # no round was aggregated: nothing to describe
+            _, md = write_model_card(self._dir(fl_ctx), workspace.get_app_config_dir(job_id), self.settings,
+                                     GLOBAL_MODEL_FILE, BEST_MODEL_FILE, str(job_id))
+            self.log_info(fl_ctx, f"model card written: {md}")
+        except Exception as e:
+            self.log_error(fl_ctx, f"model card not written: {type(e).__name__}: {e}")
+
+    def _stamp_best(self, fl_ctx: FLContext) -> None:
+        """Store this round's decision thresholds in ``best_global_model.pt`` when they describe its model."""
+        from fedpartial.models.io import read_model_file, save_weights_file
+
+        record = fl_ctx.get_prop(DECISION_THRESHOLDS)
+        path = os.path.join(self._dir(fl_ctx), BEST_MODEL_FILE)
+        if not record or not os.path.isfile(path):
+            return
+        payload = read_model_file(path)
+        meta = dict(payload["meta"])
+        if meta.get("round") != record["model_round"]:
+            self.log_warning(fl_ctx, f"{BEST_MODEL_FILE} holds the model of round {meta.get('round')}, the sites "
+                                     f"validated that of round {record['model_round']}: thresholds left as they were")
+            return
+        meta["decision_thresholds"] = threshold_meta(record, meta["round"])
+        save_weights_file(path, {k: v.numpy() for k, v in payload["state_dict"].items()}, payload["spec"], meta,
+                          validate=False)
 
     def get_model_inventory(self, fl_ctx: FLContext) -> Dict[str, ModelDescriptor]:
         return {name: ModelDescriptor(name=name, location=os.path.join(self._dir(fl_ctx), f), model_format="fedpartial",

@@ -93,6 +93,9 @@ def confined(base: str, relative: str, field: str, where: str) -> str:
 
 #: the file name patterns a job may give a provisioned site: its own site file or site folder
 SITE_FILE_PATTERNS = ("{site}.npz", "{site}")
+#: the fewest images behind a curve a provisioned site streams to the server ("min_count" in its
+#: file); the site's privacy.json applies its own min_count to task results
+MIN_COUNT = 5
 #: the largest image side a job may ask a provisioned site to resize to (``max_input_size`` in the
 #: site's file changes it): a huge size would fill the site's memory or disk
 MAX_INPUT_SIZE = 1024

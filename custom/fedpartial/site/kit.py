@@ -1,6 +1,6 @@
 """What a site's operator does with its startup kit, from the runtime wheel alone (no checkout):
 start and stop the kit, see its state, check it before going live, clean up old job folders, and
-write the systemd unit that runs it. The command line is :mod:`fedpartial.site.cli`
+write the systemd unit that runs it. The command line is :mod:`fedpartial.site.command`
 (``fedpartial-site``); these are plain functions so that tests and the tooling use the same code.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from fedpartial.site.processes import kill_workspace_processes, live_workspace_processes
+from fedpartial.site.kit_processes import kill_workspace_processes, live_workspace_processes
 
 #: a job folder of a kit is named by its job id (FLARE's uuid4)
 _JOB_ID_LENGTH = 36
@@ -37,7 +37,7 @@ def kit_kind(kit: str) -> str:
 def kit_name(kit: str) -> str:
     """The participant's name: the common name of its certificate (the kit's folder may be named
     otherwise)."""
-    from fedpartial.site.certs import _cn, _load
+    from fedpartial.site.certificates import _cn, _load
 
     startup = os.path.join(kit, "startup")
     for cert in ("client.crt", "server.crt"):
@@ -224,7 +224,7 @@ def status(kit: str) -> dict:
     certificate's days left, the job folders and their disk use, the last line of the log."""
     from fedpartial.flare.common import runtime_identity
     from fedpartial.flare.site_config import load_site_config
-    from fedpartial.site.certs import expiry_report
+    from fedpartial.site.certificates import expiry_report
 
     kit = os.path.abspath(kit)
     kind = kit_kind(kit)
@@ -256,7 +256,7 @@ def preflight(kit: str, warn_days: float = 30) -> List[dict]:
     from fedpartial.flare.allowed import CLASS_ALLOW_LIST
     from fedpartial.flare.common import runtime_identity
     from fedpartial.flare.site_config import load_site_config
-    from fedpartial.site.certs import expiry_report
+    from fedpartial.site.certificates import expiry_report
 
     kit = os.path.abspath(kit)
     kind = kit_kind(kit)

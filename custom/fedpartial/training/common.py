@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import threading
 import zlib
 from typing import Callable, Dict, Iterator, Optional
 
@@ -183,6 +184,39 @@ def prefetch(items: Iterator, depth: int = 0) -> Iterator:
     return _Prefetcher(iter(items), int(depth))
 
 
+class DrawCounter:
+    """How many distinct images a round's training drew: :func:`batch_indices`,
+    :func:`iteration_batches` and the methods' own samplers record each batch they yield (per
+    array length, so the indices of the train split are counted together), and the executor reads
+    the count after ``train_round``. A metric or statistic over fewer images than a site's minimum
+    count must not leave it, whatever sample count a rule reports (one iteration of batch size 1
+    over 124 images trains on one image). Batches may be drawn in a prefetch thread: a lock, not a
+    thread-local."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._rows: Optional[Dict[int, set]] = None
+
+    def start(self) -> None:
+        with self._lock:
+            self._rows = {}
+
+    def record(self, n: int, idx: np.ndarray) -> None:
+        with self._lock:
+            if self._rows is not None:
+                self._rows.setdefault(int(n), set()).update(np.asarray(idx).ravel().tolist())
+
+    def stop(self) -> int:
+        """The most distinct rows drawn from one array since :meth:`start`; counting stops."""
+        with self._lock:
+            rows, self._rows = self._rows or {}, None
+        return max((len(v) for v in rows.values()), default=0)
+
+
+#: the process's counter (one training at a time per site process)
+DRAWS = DrawCounter()
+
+
 def batch_indices(n: int, batch_size: int, rng: np.random.Generator, shuffle: bool = True,
                   drop_last: bool = False) -> Iterator[np.ndarray]:
     """Yield index arrays covering ``range(n)`` once (one epoch).
@@ -199,6 +233,7 @@ def batch_indices(n: int, batch_size: int, rng: np.random.Generator, shuffle: bo
         idx = order[start:start + batch_size]
         if drop_last and len(idx) < batch_size and start > 0:
             break
+        DRAWS.record(n, idx)
         yield idx
 
 

@@ -9,7 +9,7 @@
     fedpartial-site offer-dataset KIT NAME FOLDER               # which data jobs may read
     fedpartial-site systemd-unit KIT [--user flare] [--storage DIR]
 
-Also ``python -m fedpartial.site.cli ...``. Errors are one line naming the kit or file (exit 2).
+Also ``python -m fedpartial.site.command ...``. Errors are one line naming the kit or file (exit 2).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def _cmd_preflight(args):
 def print_cert_expiry(path: str, warn_days: float, as_json: bool) -> None:
     """Print the expiry report of the kits at / under ``path``; exit 1 when a certificate has
     expired or has fewer than ``warn_days`` days left (for a daily cron job)."""
-    from fedpartial.site.certs import expiry_report, format_report
+    from fedpartial.site.certificates import expiry_report, format_report
 
     rows = expiry_report(path, warn_days=warn_days)
     print(json.dumps(rows, indent=1) if as_json else format_report(rows, warn_days))
