@@ -86,3 +86,6 @@ PY
 CARD="$(dirname "$MODEL")/model_card.md"
 echo
 if [[ -f "$CARD" ]]; then echo "model card: $CARD"; else echo "model card: none beside $MODEL"; fi
+# the result as a MONAI bundle (python -m monai.bundle run --config_file $STATE/bundle/configs/inference.json ...)
+"$PYTHON" -m fedpartial export --model "$MODEL" --format monai-bundle --out "$STATE/bundle" > /dev/null
+echo "MONAI bundle: $STATE/bundle"

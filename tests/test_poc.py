@@ -83,6 +83,14 @@ def test_run_demo_runs_fedavg_in_poc_and_downloads_the_result(poc_state, tmp_pat
 
     final = json.loads((poc_state / "final_metrics.json").read_text())
     assert final["model"] == os.path.abspath(found["global_model"]) and final["split"] == "test" and final["n"] > 0
+    # the demo ends with evaluate's table, the model card and the bundle; the card names sites, rounds, validation
+    card = Path(found["global_model"]).parent / "model_card.md"
+    assert f"model card: {card}" in out and f"MONAI bundle: {poc_state / 'bundle'}" in out, out[-1500:]
+    assert "metric" in out and "auc" in out  # the table, not the JSON
+    text = card.read_text()
+    assert "sites aggregated: site-1, site-2" in text and "rounds run: 2 of 2" in text, text[:2000]
+    assert "## Validation per round" in text
+    assert (poc_state / "bundle" / "configs" / "inference.json").is_file()
 
 
 def test_leftover_sweep_kills_flare_processes_of_the_folder_only(tmp_path):
