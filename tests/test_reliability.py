@@ -12,6 +12,7 @@ import glob
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from nvflare.app_common.app_constant import AppConstants
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult
 from fedpartial.algorithms.fedavg import SupervisedClient
 from fedpartial.flare.aggregators import RuleAggregator
+from fedpartial.flare.executors import FedPartialExecutor
 from fedpartial.flare.common import SITE_STATS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -255,6 +257,20 @@ class CrashingClient(SupervisedClient):
         return super().train_round(model, inp)
 
 
+CRASHING_RULE = ("crashing", "test_reliability.CrashingClient")
+
+
+class CrashingExecutor(FedPartialExecutor):
+    """The site executor with the test's crashing rule added to the fixed table, as a new method's
+    rule would be (a job names rules by registered name only). Loaded by the simulator's sites."""
+
+    def __init__(self, **kwargs):
+        from fedpartial.algorithms import registry
+
+        registry.CLIENT_RULES.setdefault(*CRASHING_RULE)
+        super().__init__(**kwargs)
+
+
 class RoundCounter(ClientRule):
     """Counts the rounds it trained in ``state_dir`` (a stand-in for FedMLP tags / FedIRM teacher)."""
 
@@ -278,11 +294,23 @@ def _crash_run(tmp_path, monkeypatch, min_clients):
     from test_privacy import SMALL, write_sites
     from fedpartial_tools.jobtools import simulate
 
+    from fedpartial.algorithms import registry
+
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setitem(registry.CLIENT_RULES, *CRASHING_RULE)  # for --set rule_args.* here
     write_sites(tmp_path / "sites", "mismatch")
+    job = tmp_path / "job"
+    shutil.copytree(REPO / "jobs" / "fedavg", job)
+    client_file = job / "app" / "config" / "config_fed_client.json"
+    client = json.loads(client_file.read_text())
+    client["executors"][0]["executor"]["path"] = "test_reliability.CrashingExecutor"
+    args = client["executors"][0]["executor"]["args"]
+    # CrashingClient passes FedAvg's arguments on as **kwargs, which --set cannot see: written here
+    args["rule"], args["rule_args"] = CRASHING_RULE[0], {**args.get("rule_args", {}), "batch_size": 16}
+    client_file.write_text(json.dumps(client))
     ws = tmp_path / "ws"
-    summary = simulate(str(REPO / "jobs" / "fedavg"), str(tmp_path / "sites"), str(ws),
-                       SMALL + ["num_rounds=3", "rule_args.batch_size=16", "client.rule=test_reliability.CrashingClient",
+    summary = simulate(str(job), str(tmp_path / "sites"), str(ws),
+                       SMALL + ["num_rounds=3",
                                 f"server.min_clients={min_clients}",
                                 # after min_clients replies, wait for the others: with 0 an early
                                 # error reply alone would close the round with no valid update

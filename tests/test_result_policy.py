@@ -354,20 +354,29 @@ def test_every_metric_a_client_rule_returns_has_a_release_rule(tmp_path, run):
 
 def test_a_round_that_trained_on_fewer_than_k_images_sends_nothing():
     """One iteration of batch size 1 over 124 images: the rule reports 124 samples, but the weights
-    and the loss come from one image. The executor's count of images drawn decides, and stays home."""
+    and the loss come from one image. The executor's count of images drawn (a property of the
+    task's FLContext, never on the wire) decides."""
     from fedpartial.flare.common import SITE_IMAGES_SEEN
 
+    def policy(shareable, seen):
+        ctx = _ctx()
+        ctx.set_prop(SITE_IMAGES_SEEN, seen, private=True, sticky=False)
+        return SiteResultPolicy(min_count=K).process(shareable, ctx)
+
     metrics = {"train_loss": 1.94, "train_steps": 1, "train_seconds": 0.2}
-    out = _policy(_train_result(124, metrics, train_size=124, **{SITE_IMAGES_SEEN: 1}))
+    out = policy(_train_result(124, metrics, train_size=124), 1)
     assert out.get_return_code() == ReturnCode.EMPTY_RESULT and "DXO" not in out
-    # 4 distinct images still too few; 5 is enough, and the count itself never leaves
-    assert _policy(_train_result(124, metrics, **{SITE_IMAGES_SEEN: 4})).get_return_code() == ReturnCode.EMPTY_RESULT
-    released = from_shareable(_policy(_train_result(124, metrics, **{SITE_IMAGES_SEEN: 5})))
-    assert SITE_IMAGES_SEEN not in released.meta
+    # 4 distinct images still too few; 5 is enough
+    assert policy(_train_result(124, metrics), 4).get_return_code() == ReturnCode.EMPTY_RESULT
+    released = from_shareable(policy(_train_result(124, metrics), 5))
     assert released.meta[SITE_METRICS] == metrics and released.meta[MetaKey.NUM_STEPS_CURRENT_ROUND] == 124
     # a site taking no part (0 samples: FedIRM's unlabelled sites before they join) still answers
-    idle = from_shareable(_policy(_train_result(0, {"train_steps": 0}, train_size=124, **{SITE_IMAGES_SEEN: 0})))
+    idle = from_shareable(policy(_train_result(0, {"train_steps": 0}, train_size=124), 0))
     assert idle.meta[MetaKey.NUM_STEPS_CURRENT_ROUND] == 0
+    # the same pure function, as the policy calls it
+    data, meta, report = filter_result(DataKind.WEIGHTS, {"w": np.ones(2)}, {MetaKey.NUM_STEPS_CURRENT_ROUND: 9},
+                                       K, images_seen=3)
+    assert data is None and report["kind"] == "WEIGHTS trained on 3 image(s), fewer than 5"
 
 
 def test_images_drawn_are_counted_once_per_image():

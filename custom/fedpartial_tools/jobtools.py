@@ -96,9 +96,26 @@ RULE_SIDES = {"fedpartial.flare.executors.FedPartialExecutor": "client",
               "fedpartial.flare.aggregators.RuleAggregator": "server"}
 
 
+def _rule_side(class_path: str) -> Optional[str]:
+    """``client`` / ``server`` for the runtime's executor / aggregator or a subclass (a test's
+    attacking executor), else None."""
+    if class_path in RULE_SIDES:
+        return RULE_SIDES[class_path]
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    for base, side in RULE_SIDES.items():
+        base_module, _, base_name = base.rpartition(".")
+        if isinstance(cls, type) and issubclass(cls, getattr(importlib.import_module(base_module), base_name)):
+            return side
+    return None
+
+
 def _rule_of(class_path: str, args: dict) -> Optional[str]:
     """The class path of the rule a fedpartial executor / aggregator runs (its ``rule`` or default)."""
-    side = RULE_SIDES.get(class_path)
+    side = _rule_side(class_path)
     if side is None:
         return None
     return rule_path(side, args.get("rule", constructor_defaults(class_path).get("rule")))

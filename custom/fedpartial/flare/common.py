@@ -17,7 +17,8 @@ SITE_METRICS = "site_metrics"
 # the size of the site's train split, sent with every update: the server caps sample counts at the first
 SITE_TRAIN_SIZE = "site_train_size"
 # distinct images the round's training drew (fedpartial.training.common.DRAWS): the site policy's
-# evidence of how many images stand behind the weights and metrics; it never leaves the site
+# evidence of how many images stand behind the weights and metrics; an FLContext property of the
+# task, never a key of the result
 SITE_IMAGES_SEEN = "site_images_seen"
 
 

@@ -329,7 +329,8 @@ class FedPartialExecutor(Executor):
         out.set_meta_prop(SITE_STATS, result.stats)
         out.set_meta_prop(SITE_METRICS, metrics)
         out.set_meta_prop(SITE_TRAIN_SIZE, len(self.data.splits["train"]))
-        out.set_meta_prop(SITE_IMAGES_SEEN, int(seen))  # read by the site's policy, never sent
+        # for the site's policy, which runs on this task's FLContext: never on the wire
+        fl_ctx.set_prop(SITE_IMAGES_SEEN, int(seen), private=True, sticky=False)
         if histograms is not None:
             out.set_meta_prop(HISTOGRAM_KEY, histograms)
         return out.to_shareable()

@@ -473,7 +473,7 @@ def guard_histograms(value, min_count: int) -> tuple:
 #: ``filter_history`` (``DXOFilter`` appends the class name of each filter that changed the DXO;
 #: ``DXO.to_shareable`` adds no meta). FLARE's headers live on the Shareable, not in the meta.
 TRAIN_RESULT_META = (MetaKey.NUM_STEPS_CURRENT_ROUND, MetaKey.INITIAL_METRICS, SITE_STATS, SITE_METRICS,
-                     SITE_TRAIN_SIZE, HISTOGRAM_KEY, MetaKey.FILTER_HISTORY, SITE_IMAGES_SEEN)
+                     SITE_TRAIN_SIZE, HISTOGRAM_KEY, MetaKey.FILTER_HISTORY)
 #: DXO kind -> the meta keys it may carry; any other kind is withheld whole.
 RESULT_META: Dict[str, Tuple[str, ...]] = {DataKind.WEIGHTS: TRAIN_RESULT_META,
                                            DataKind.WEIGHT_DIFF: TRAIN_RESULT_META,
@@ -486,7 +486,7 @@ def _is_count(value) -> bool:
 
 def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
                   noise_sigma: Optional[Dict[str, float]] = None, rng: Optional[np.random.Generator] = None,
-                  where: str = "") -> tuple:
+                  where: str = "", images_seen: Optional[int] = None) -> tuple:
     """What of one task result (a DXO's kind, data and meta) may leave the site.
 
     * kind: WEIGHTS / WEIGHT_DIFF (train results, local models) and METRICS (validation) only;
@@ -510,6 +510,9 @@ def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
         noise_sigma: for ``site_stats``: key -> sigma of Gaussian noise.
         rng: noise source.
         where: site name for error messages.
+        images_seen: the distinct images the round's training drew (the executor's count; None =
+            unknown): a train result from 1..k-1 images is withheld whole, and training metrics
+            count at most these images.
 
     Returns:
         ``(data, meta, report)`` as new dicts, or ``(None, None, report)`` when the result is withheld
@@ -532,10 +535,9 @@ def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
     meta = {key: value for key, value in meta.items() if key in RESULT_META[kind]}
     k = int(min_count)
 
-    # how many distinct images the training drew: read here, never sent; a result that trained on
-    # 1..k-1 images (one iteration of batch size 1, whatever sample count the rule reports) would
-    # carry those images in its weights and metrics: withheld whole
-    seen = meta.pop(SITE_IMAGES_SEEN, None)
+    # a result that trained on 1..k-1 images (one iteration of batch size 1, whatever sample count
+    # the rule reports) carries those images in its weights and metrics: withheld whole
+    seen = images_seen
     if seen is not None and not _is_count(seen):
         seen = 0
     claims = meta.get(MetaKey.NUM_STEPS_CURRENT_ROUND)
@@ -653,7 +655,7 @@ class SiteResultPolicy(Filter):
             return make_reply(ReturnCode.EMPTY_RESULT)
         try:
             data, meta, report = filter_result(dxo.data_kind, dxo.data, dxo.meta, self.min_count, self.noise_sigma,
-                                               self.rng, where=site)
+                                               self.rng, where=site, images_seen=fl_ctx.get_prop(SITE_IMAGES_SEEN))
         except ValueError as e:  # a malformed statistic: FLARE answers TASK_RESULT_FILTER_ERROR, nothing leaves
             raise ValueError(f"task '{task}': {e}") from e
         if data is None:
