@@ -40,8 +40,9 @@ def _kit(tmp_path: Path, datasets=None) -> Path:
     return kit
 
 
-def _setup(kit: Path, monkeypatch, **args):
-    """Set the executor up in ``kit``; returns (executor, the site files it read)."""
+def _setup(kit: Path, monkeypatch, model=MODEL, **args):
+    """Set the executor up in ``kit`` (``model``: the job's model block); returns (executor, the
+    site files it read)."""
     read = []
     real = executors.load_site_dataset
     monkeypatch.setattr(executors, "load_site_dataset", lambda path, *a: read.append(path) or real(path, *a))
@@ -51,7 +52,7 @@ def _setup(kit: Path, monkeypatch, **args):
     workspace.get_root_dir.return_value = str(kit)
     workspace.get_run_dir.return_value = str(kit / "job-1")
     fl_ctx.set_prop("__engine__", engine, private=True, sticky=False)
-    ex = FedPartialExecutor(model=MODEL, tensorboard=False, device="cpu", **args)
+    ex = FedPartialExecutor(model=model, tensorboard=False, device="cpu", **args)
     ex._setup(fl_ctx)
     return ex, read
 
@@ -243,14 +244,7 @@ def test_a_provisioned_site_caps_the_input_size(tmp_path, sites, monkeypatch):
     kit = _kit(tmp_path, {"study_a": str(offered)})
     big = dict(MODEL, input_size=[4096, 4096])
     with pytest.raises(ValueError, match=r"model.input_size \[4096, 4096\] is beyond this site's limit of 1024"):
-        ex = FedPartialExecutor(model=big, tensorboard=False, device="cpu", dataset="study_a",
-                                runtime_version=runtime_identity())
-        fl_ctx = SiteContext()
-        engine = mock.MagicMock()
-        engine.get_workspace.return_value.get_root_dir.return_value = str(kit)
-        engine.get_workspace.return_value.get_run_dir.return_value = str(kit / "job-1")
-        fl_ctx.set_prop("__engine__", engine, private=True, sticky=False)
-        ex._setup(fl_ctx)
+        _setup(kit, monkeypatch, model=big, dataset="study_a", runtime_version=runtime_identity())
 
 
 def test_a_provisioned_site_keeps_the_resize_cache_in_its_workspace(tmp_path, sites, monkeypatch):
@@ -263,14 +257,7 @@ def test_a_provisioned_site_keeps_the_resize_cache_in_its_workspace(tmp_path, si
     sitefile.write_site_file(str(folder / SITE), data, layout="folder")
     kit = _kit(tmp_path, {"big": str(folder)})
     model = dict(MODEL, input_size=[12, 12])  # the files hold 16 x 16: a resized copy is made
-    ex = FedPartialExecutor(model=model, tensorboard=False, device="cpu", dataset="big",
-                            runtime_version=runtime_identity())
-    fl_ctx = SiteContext()
-    engine = mock.MagicMock()
-    engine.get_workspace.return_value.get_root_dir.return_value = str(kit)
-    engine.get_workspace.return_value.get_run_dir.return_value = str(kit / "job-1")
-    fl_ctx.set_prop("__engine__", engine, private=True, sticky=False)
-    ex._setup(fl_ctx)
+    ex, _ = _setup(kit, monkeypatch, model=model, dataset="big", runtime_version=runtime_identity())
     assert ex.data.splits["train"].images.shape[1:3] == (12, 12)
     assert list((kit / "fedpartial_cache" / "big" / SITE).glob("train_images_12x12.npy"))
     assert not (folder / SITE / "cache").exists()  # nothing written into the offered data folder
