@@ -16,12 +16,10 @@ NVFlare 2.9 facts this module relies on (``nvflare/lighter/impl/cert.py``, ``nvf
 from __future__ import annotations
 
 import datetime
-import glob
 import json
 import os
-import re
 import shutil
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 from fedpartial.site.certificates import ROOT, _cn, _kits, _load, expiry_report, format_report  # noqa: F401
 

@@ -41,7 +41,6 @@ from nvflare.job_config.api import FedJob
 from nvflare.job_config.defs import FilterType
 from nvflare.recipe.spec import ExecEnv, Recipe
 
-import fedpartial
 from fedpartial.algorithms.registry import rule_path
 from fedpartial.flare.aggregators import RuleAggregator
 from fedpartial.flare.common import runtime_identity
