@@ -33,12 +33,13 @@ def _lsm(n, p, r):
 # --- pseudo-label quality --------------------------------------------------------------------
 # FedLSM, 2 seeds x 3 rounds x 2 sites. FedLSM logs precision 0 when it made no pseudo label
 # (n = 0): undefined, left out. site-2 of round 0 logged no diagnostic key at all.
-#   round 1: precision seed0 0.8 (site-2 n=0 out), seed1 (1.0+0.5)/2 = 0.75 -> 0.775 ± 0.025
-#            recall    seed0 (0.2+0)/2 = 0.1,   seed1 (0.1+0.3)/2 = 0.2      -> 0.150 ± 0.050
+#   round 1: precision seed0 0.8 (site-2 n=0 out), seed1 (1.0+0.5)/2 = 0.75 -> 0.775 ± 0.035
+#            recall    seed0 (0.2+0)/2 = 0.1,   seed1 (0.1+0.3)/2 = 0.2      -> 0.150 ± 0.071
 #            count     seed0 10 (1 site > 0),  seed1 4+6 = 10 (2 sites)      -> 10 ± 0 (1.5/2)
-#   round 2: precision seed0 (0.9+0.6)/2 = 0.75, seed1 (0.7+0.5)/2 = 0.6    -> 0.675 ± 0.075
-#            recall    seed0 0.25, seed1 0.4                                  -> 0.325 ± 0.075
-#            count     seed0 25, seed1 11                                     -> 18 ± 7 (2/2)
+#   round 2: precision seed0 (0.9+0.6)/2 = 0.75, seed1 (0.7+0.5)/2 = 0.6    -> 0.675 ± 0.106
+#            recall    seed0 0.25, seed1 0.4                                  -> 0.325 ± 0.106
+#            count     seed0 25, seed1 11                                     -> 18 ± 10 (2/2)
+# (± is the sample std, ddof 1: for two values |a - b| / sqrt(2))
 LSM_SEEDS = {
     0: [{"site-1": _lsm(0, 0.0, 0.0), "site-2": {"loss": 0.2}},
         {"site-1": _lsm(10, 0.8, 0.2), "site-2": _lsm(0, 0.0, 0.0)},
@@ -95,8 +96,8 @@ def test_pseudo_label_table_numbers(lsm_out):
     table = _table_rows(md)
     assert sorted(table) == [0, 1, 2]
     assert table[0] == ["–", "0.000 ± 0.000", "0 ± 0 (0/1)"]
-    assert table[1] == ["0.775 ± 0.025", "0.150 ± 0.050", "10 ± 0 (1.5/2)"]
-    assert table[2] == ["0.675 ± 0.075", "0.325 ± 0.075", "18 ± 7 (2/2)"]
+    assert table[1] == ["0.775 ± 0.035", "0.150 ± 0.071", "10 ± 0 (1.5/2)"]
+    assert table[2] == ["0.675 ± 0.106", "0.325 ± 0.106", "18 ± 10 (2/2)"]
     assert "seeds [0, 1]" in md
 
 
@@ -363,7 +364,7 @@ def test_update_readme_links_copies(tmp_path, lsm_out):
     assert "(docs/results/results.csv)" in text
     assert "| fedlsm | 0.500 ± 0.000 |" in text and "| fedavg_full | 0.600 ± 0.000 |" in text
     assert "python -m fedpartial_tools bench --suite fedlsm-ham --seeds 0,1 --profile cpu --diagnostics --out " in text
-    assert "pseudo-label quality of `fedlsm`" in text and "| 1 | 0.775 ± 0.025 |" in text
+    assert "pseudo-label quality of `fedlsm`" in text and "| 1 | 0.775 ± 0.035 |" in text
     # without copies the links point into the bench folder, relative to the README
     bench_report.update_readme(str(out), str(readme))
     rel = os.path.relpath(str(out / "fedlsm-ham_curves.png"), str(tmp_path / "repo"))
@@ -380,7 +381,7 @@ def test_variants_run_the_method_job_with_their_settings(monkeypatch, tmp_path):
     monkeypatch.setattr("fedpartial_tools.jobtools.simulate", lambda job, root, ws, sets, log=None: calls.append((job, ws, sets)))
     monkeypatch.setattr("fedpartial_tools.partition.split_file", lambda *a, **k: None)
     monkeypatch.setattr("fedpartial_tools.jobtools.dataset_overrides", lambda d: [])
-    monkeypatch.setattr(bench_run, "_evaluate_row", lambda name, suite, job, seed, ws, source, sec: {"method": job})
+    monkeypatch.setattr(bench_run, "_evaluate_row", lambda name, suite, job, seed, ws, source, sec, *scored: {"method": job})
     src = tmp_path / "dsb2018_nuclei_256.npz"
     src.write_bytes(b"")
     rows = bench_run.run_suite("fedia-dsb-m2", str(tmp_path), seeds=[0], data_dir=str(tmp_path),
@@ -485,9 +486,9 @@ def test_rows_from_before_a_suite_scored_a_metric_show_a_dash(tmp_path):
 @pytest.mark.parametrize("profile", ["cpu", "gpu"])
 def test_every_baseline_runs_with_its_methods_model_and_recipe(profile):
     """A row compares rules: in every suite each baseline gets the method's network, image size,
-    learning rate, batch size, weight decay and rounds (the bench's matched_sets)."""
+    rounds and whole local recipe (the bench's matched_sets)."""
     from fedpartial_tools.bench_suites import job_settings, matched_sets
-    from fedpartial_tools.jobtools import SHARED_MODEL_KEYS, SHARED_RULE_KEYS
+    from fedpartial_tools.jobtools import SHARED_MODEL_KEYS, recipe_of
 
     for name, suite in bench_suites.SUITES.items():
         method_task = job_settings(suite.method)["model"]["task"]
@@ -501,11 +502,10 @@ def test_every_baseline_runs_with_its_methods_model_and_recipe(profile):
             assert got["num_rounds"] == method["num_rounds"], (name, job)
             for key in SHARED_MODEL_KEYS:
                 assert got["model"].get(key) == method["model"].get(key), (name, profile, job, key)
-            for key in SHARED_RULE_KEYS:
-                mine, theirs = got["rule_args"].get(key), method["rule_args"].get(key)
-                if mine is None or theirs is None or (key == "local_epochs" and float(theirs) != int(theirs)):
-                    continue
-                assert mine == theirs, (name, profile, job, key, mine, theirs)
+            if got["rule"] == method["rule"]:
+                continue  # the method itself or one of its variants
+            for key, theirs in recipe_of(method["rule"], method["rule_args"]).items():
+                assert got["rule_args"][key] == theirs, (name, profile, job, key, got["rule_args"][key], theirs)
     # the check has teeth: without matching, fedmlp's baselines would run a shallower network
     suite = bench_suites.SUITES["fedmlp-ctich"]
     assert any(s.startswith("model.arch_args=") for s in matched_sets(suite, "fedavg", suite.overrides["cpu"]))
@@ -583,3 +583,77 @@ def test_fedia_lesions_job_is_what_the_real_lesion_suites_measure():
                    for k in ("lr", "loss", "lesion_fraction", "batch_size", "weight_decay"))
     assert job_settings("fedia_lesions")["rule_args"]["correction_rule"] == "lesions"
     assert job_settings("fedia")["rule_args"]["correction_rule"] == "pixels"  # DSB2018's winner stays
+
+
+def test_selection_scores_the_val_split_only_and_reuse_scores_the_saved_model(monkeypatch, tmp_path):
+    """``--select-on val`` scores each job's final model on the source's val split, never reading
+    the test split; ``--reuse`` then scores the same saved model on test without training again."""
+    from fedpartial.data.npz import save_npz
+    from fedpartial.evaluation import evaluate_split
+    import torch
+
+    from fedpartial.models import build_model, save_model_file
+    from fedpartial_tools import synthetic
+
+    data = synthetic.make_classification("single-label", num_classes=3, n_train=8, n_val=30, n_test=40,
+                                         size=8, channels=3, seed=0)
+    (tmp_path / "data").mkdir()
+    save_npz(data, str(tmp_path / "data" / "ham10000_28.npz"))
+    norm = {"mean": 0.5, "std": 0.25}
+    torch.manual_seed(0)
+    model = build_model("small_cnn", 3, 3, width=4, depth=1)
+    trained = []
+
+    def fake_simulate(job, root, ws, sets, log=None):
+        trained.append(os.path.basename(ws))
+        os.makedirs(ws, exist_ok=True)
+        save_model_file(os.path.join(ws, "global_model.pt"), model, {"class_names": data.class_names,
+                                                                     "task": "single-label", "input_size": [8, 8],
+                                                                     "normalisation": norm})
+        with open(os.path.join(ws, "metrics.json"), "w") as f:
+            json.dump({"rounds": [{"round": 0, "sites": {}}]}, f)
+
+    scored = []
+    real_evaluate = evaluate_split
+    monkeypatch.setattr("fedpartial.evaluation.evaluate_split",
+                        lambda m, split, *a, **k: scored.append(len(split)) or real_evaluate(m, split, *a, **k))
+    monkeypatch.setattr("fedpartial_tools.partition.split_file", lambda *a, **k: None)
+    monkeypatch.setattr("fedpartial_tools.jobtools.dataset_overrides", lambda root: ["model.task=single-label"])
+    monkeypatch.setattr("fedpartial_tools.jobtools.simulate", fake_simulate)
+    run = lambda **kw: bench_run.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[0], jobs=["fedavg", "fedlsm"],
+                                           data_dir=str(tmp_path / "data"), log=lambda *_: None, **kw)  # noqa: E731
+    rows = run(score_on="val")
+    assert trained == ["fedavg", "fedlsm"] and set(scored) == {30}  # 30 val images, never the 40 test images
+    expect = real_evaluate(model, data.splits["val"], "single-label", data.class_names, norm, "cpu")
+    assert rows[0]["scored_on"] == "val" and rows[0]["auc"] == pytest.approx(expect["auc"])
+    scored.clear()
+    rows = run(reuse=True)
+    assert trained == ["fedavg", "fedlsm"] and set(scored) == {40}  # nothing trained again; test scored
+    assert rows[0]["scored_on"] == "test"
+    rows = run(reuse=True, extra=["rule_args.lr=0.5"])  # other settings: trained again
+    assert trained[2:] == ["fedavg", "fedlsm"]
+    with pytest.raises(ValueError, match="score_on must be one of"):
+        run(score_on="train")
+
+
+def test_selection_table_ranks_the_methods_settings_by_val_mean():
+    rows = [{"suite": "fedlsm-ham", "method": m, "seed": s, "auc": v}
+            for m, values in (("fedlsm", (0.80, 0.84)), ("fedlsm_paper", (0.85, 0.87)), ("fedavg", (0.90, 0.90)))
+            for s, v in zip((0, 1), values)]
+    md = bench_report.selection_table("fedlsm-ham", rows)
+    lines = [line for line in md.splitlines() if line.startswith("| ")][1:]
+    # fedlsm_paper 0.86 ranks above fedlsm 0.82; the baseline is listed but never chosen, whatever its score
+    assert lines[0].startswith("| 1 | fedlsm_paper | rule_args.renormalise_missing=false | 0.8600 ± 0.0141 |")
+    assert lines[1].startswith("| 2 | fedlsm | as shipped | 0.8200 ± 0.0283 |")
+    assert lines[2].startswith("|  | fedavg | baseline | 0.9000 ± 0.0000 |")
+    assert "Chosen: **fedlsm_paper**" in md and "--jobs fedavg,fedavg_full,fedlsm_paper --reuse" in md
+
+
+def test_tables_give_the_sample_std_and_the_gap_share_of_the_means():
+    rows = [{"suite": "fedia-dsb-m2", "method": m, "seed": s, "dice": v, "iou": v, "rounds": 30}
+            for m, values in (("fedavg_seg", (0.60, 0.62)), ("fedavg_seg_full", (0.70, 0.70)), ("fedia", (0.64, 0.68)))
+            for s, v in zip((0, 1), values)]
+    md = bench_report.suite_table("fedia-dsb-m2", rows)
+    assert "mean ± sample std (ddof 1) over seeds" in md
+    # gap of the means: (0.66 - 0.61) / (0.70 - 0.61) = 55.6 %; std of (0.64, 0.68) = 0.02 * sqrt(2) = 0.028
+    assert "| fedia | 0.660 ± 0.028 | 0.660 ± 0.028 | 56% | 56% |" in md

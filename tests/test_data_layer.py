@@ -149,7 +149,11 @@ def test_label_set_mismatch_masks_and_counts():
     # the reference copy keeps every label
     assert refs[0].splits["train"].labels.sum() == s1.splits["train"].labels.sum() + \
         summary["per_site"]["site-1"]["hidden_positives"]["b"]
-    assert len(s1.splits["val"]) + len(s2.splits["val"]) == 4 and s1.splits["val"].label_mask.all()
+    # the val split is annotated as the train split: site-1 holds class a only there too
+    assert len(s1.splits["val"]) + len(s2.splits["val"]) == 4
+    assert s1.splits["val"].label_mask.tolist() == [[True, False, False, False]] * len(s1.splits["val"])
+    assert s2.splits["val"].label_mask.tolist() == [[False, True, True, True]] * len(s2.splits["val"])
+    assert refs[0].splits["val"].label_mask.all()
 
 
 def test_single_label_mismatch_zeroes_samples_of_missing_classes():

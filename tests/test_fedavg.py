@@ -108,3 +108,66 @@ def test_semi_supervised_split_fedavg_is_the_labelled_sites_and_fedavg_full_all(
     assert all(np.array_equal(weights[k], partial[0].weights[k]) for k in weights)
     full = [one_round(r, "full") for r in refs]
     assert [u.num_samples for u in full] == sizes
+
+
+# ---- the recipe a baseline takes from its method (--matched-to) ----------------------------------
+def test_label_smoothing_of_the_single_label_loss_hand_value():
+    # softmax([ln 4, 0, 0]) = [2/3, 1/6, 1/6]; target class 0
+    logits = torch.tensor([[math.log(4.0), 0.0, 0.0]])
+    labels, mask = torch.tensor([[1.0, 0.0, 0.0]]), torch.ones(1, 3)
+    assert float(supervised_loss(logits, labels, mask, "single-label", "missing-negative")) == pytest.approx(
+        math.log(1.5), rel=1e-6)
+    # smoothing 0.3: target (0.7 + 0.1, 0.1, 0.1) -> 0.8 ln 1.5 + 0.2 ln 6
+    assert float(supervised_loss(logits, labels, mask, "single-label", "missing-negative", 0.3)) == pytest.approx(
+        0.8 * math.log(1.5) + 0.2 * math.log(6.0), rel=1e-6)
+
+
+class _CountingNet(torch.nn.Module):
+    """A linear classifier on 4x4 grey images that counts its forward passes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = torch.nn.Linear(16, 3), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return None, self.fc(x.flatten(1))
+
+
+def _rule_round(tmp_path, **rule_args):
+    from fedpartial.algorithms.base import ClientContext, RoundInput
+    from fedpartial.algorithms.fedavg import SupervisedClient
+    from fedpartial.data.types import Dataset, Split
+
+    labels = np.eye(3, dtype=np.float32)[np.arange(10) % 3]
+    images = np.arange(10 * 16, dtype=np.uint8).reshape(10, 4, 4)
+    data = Dataset("single-label", ["a", "b", "c"], {"train": Split(images, labels, np.ones_like(labels, bool))},
+                   site="site-1")
+    rule = SupervisedClient(lr=1e-3, batch_size=4, **rule_args)
+    rule.setup(ClientContext(site="site-1", data=data, device=torch.device("cpu"), state_dir=str(tmp_path),
+                             normalisation={"mean": 0.0, "std": 1.0}))
+    net = _CountingNet()
+    result = rule.train_round(net, RoundInput(0, 1, {}))
+    return result.metrics["train_steps"], net.calls
+
+
+def test_fractional_local_epochs_and_views_per_batch(tmp_path):
+    # 10 labelled images, batch 4 (last partial batch dropped): one epoch = 10 // 4 = 2 steps;
+    # 1.3 epochs = ceil(1.3 * 10 / 4) = 4 steps; two views = two forward passes per step
+    assert _rule_round(tmp_path, augmentation="none") == (2, 2)
+    assert _rule_round(tmp_path, augmentation="none", local_epochs=1.3) == (4, 4)
+    assert _rule_round(tmp_path, augmentation="none", local_epochs=1.3, num_views=2) == (4, 8)
+    with pytest.raises(ValueError, match="num_views"):
+        _rule_round(tmp_path, num_views=0)
+
+
+def test_affine_view_moves_pixels_keeps_shape():
+    from fedpartial.data.transforms import TRAINING_VIEWS, training_view
+
+    torch.manual_seed(0)
+    batch = torch.rand(6, 1, 16, 16)
+    moved = training_view("affine", rotate_deg=30.0, translate=0.1)(batch)
+    assert moved.shape == batch.shape and not torch.allclose(moved, batch)
+    assert training_view("none") is None and "affine" in TRAINING_VIEWS
+    with pytest.raises(ValueError, match="unknown augmentation 'rotate'"):
+        training_view("rotate")

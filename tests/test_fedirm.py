@@ -388,8 +388,8 @@ def test_constructor_rejects_bad_values():
         FedIRMServer(relation_weighting="median")
 
 
-def test_paper_augmentation_changes_images_keeps_shape(tmp_path):
-    rule = FedIRMClient(augmentation="paper")
+def test_affine_augmentation_changes_images_keeps_shape(tmp_path):
+    rule = FedIRMClient(augmentation="affine")
     x = torch.randn(3, 1, 16, 16)
     y = rule._augment(x)
     assert y.shape == x.shape and not torch.allclose(x, y)
@@ -446,17 +446,27 @@ def test_reliable_lowest_entropy_per_class_keeps_a_share_of_each_predicted_class
 
 
 @pytest.mark.parametrize("relation_weight, pseudo_label_weight", [(1.0, 0.0), (0.0, 0.0), (2.0, 0.0), (1.0, 0.5)])
-def test_unlabelled_loss_weighs_each_part(tmp_path, relation_weight, pseudo_label_weight):
-    # per step: loss = lambda * (L_c + relation_weight * L_IRM + pseudo_label_weight * L_pseudo); the round's
-    # means keep that sum; the paper's rule is (1, 0) and has no L_pseudo
+def test_unlabelled_loss_weighs_each_part(tmp_path, monkeypatch, relation_weight, pseudo_label_weight):
+    # per step: loss = lambda * (L_c + relation_weight * L_IRM + pseudo_label_weight * L_pseudo); the paper's
+    # rule is (1, 0) and has no L_pseudo. The three parts are pinned to 1, 10 and 100 (each still
+    # differentiable), so the step's loss is lambda * (1 + 10 w_r + 100 w_p), worked out by hand.
+    from fedpartial.algorithms import fedirm
+
+    def pinned(value):
+        return lambda first, *args, **kwargs: first.sum() * 0.0 + value
+
+    monkeypatch.setattr(fedirm, "consistency_loss", pinned(1.0))
+    monkeypatch.setattr(fedirm, "symmetric_kl", lambda target, estimate, *a, **k: estimate.sum() * 0.0 + 10.0)
+    monkeypatch.setattr(fedirm, "pseudo_label_loss", pinned(100.0))
     rule = _client(entropy_threshold=5.0, relation_weight=relation_weight, pseudo_label_weight=pseudo_label_weight)
     rule.setup(_ctx(_site_data(labelled=False), tmp_path))
     target = np.array([[0.98, 0.01, 0.01], [0.01, 0.98, 0.01], [0.01, 0.01, 0.98]])
     m = rule.train_round(_model(), RoundInput(1, 3, {RELATION_MATRIX: target, RELATION_VALID: np.ones(3)})).metrics
-    assert m["irm_loss"] > 0.0  # measured either way
-    assert (m["pseudo_label_loss"] > 0.0) == (pseudo_label_weight > 0)
-    assert m["train_loss"] == pytest.approx(m["ramp_weight"] * (m["consistency_loss"] + relation_weight * m["irm_loss"]
-                                                                + pseudo_label_weight * m["pseudo_label_loss"]), rel=1e-5)
+    lam = m["ramp_weight"]
+    assert lam == pytest.approx(fedirm.ramp_weight(1, 30))  # max_unsupervised_weight 1
+    expected_pseudo = 100.0 if pseudo_label_weight > 0 else 0.0  # not computed when its weight is 0
+    assert m["pseudo_label_loss"] == pytest.approx(expected_pseudo)
+    assert m["train_loss"] == pytest.approx(lam * (1.0 + 10.0 * relation_weight + 100.0 * pseudo_label_weight), rel=1e-6)
     with pytest.raises(ValueError, match="relation_weight"):
         _client(relation_weight=-1.0)
     with pytest.raises(ValueError, match="pseudo_label_weight"):

@@ -141,3 +141,24 @@ def test_overrides_touch_existing_settings_only():
     assert client["data_root"] == "/d"
     with pytest.raises(ValueError, match="rule_args.lrr"):
         apply_overrides(configs, ["rule_args.lrr=1"])
+
+
+def test_site_validation_scores_only_the_val_labels_the_site_holds(tmp_path):
+    """An unlabelled site's val split annotates nothing: it reports no score (not an F1 of 0) and
+    no histograms; a curated val split says so with ``val_curated``."""
+    import dataclasses
+
+    from test_reliability import _ready_executor
+
+    from fedpartial.algorithms.fedavg import SupervisedClient
+    from fedpartial.data.types import Split
+
+    ex = _ready_executor(SupervisedClient(batch_size=16, augmentation="none"), tmp_path)
+    scored = ex.evaluate(ex.model)
+    assert {"auc", "f1"} <= set(scored) and "val_curated" not in scored
+    val = ex.data.splits["val"]
+    ex.data.splits["val"] = Split(val.images, np.zeros_like(val.labels), np.zeros_like(val.label_mask))
+    assert ex.evaluate(ex.model) == {} and ex.val_histograms(ex.model) is None
+    ex.data.splits["val"] = val
+    ex.data = dataclasses.replace(ex.data, info={"val_labels": "curated"})
+    assert ex.evaluate(ex.model)["val_curated"] == 1.0

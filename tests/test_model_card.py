@@ -40,7 +40,8 @@ def _hand_run(tmp_path: Path) -> Path:
          "server": {"weights": {"site-1": 0.75, "site-2": 0.25}, "trust": {"train_sizes": {"site-1": 40}}},
          "rejected": {"site-3": "update lacks parameter 'fc.bias'"}},
         {"round": 1, "sites": {"site-1": {"num_samples": 40, "val": {"auc": 0.8}, "val_counts": counts},
-                               "site-2": {"num_samples": 0, "val": {"auc": 0.6}}},
+                               "site-2": {"num_samples": 0, "val": {"auc": 0.6, "val_curated": 1.0}},
+                               "site-4": {"num_samples": 9, "val": {}}},
          "server": {"weights": {"site-1": 1.0}, "trust": {"train_sizes": {"site-1": 40}}}, "rejected": {}},
     ]
     (run / "metrics.json").write_text(json.dumps({"rounds": rounds}))
@@ -61,7 +62,7 @@ def test_card_of_a_hand_made_run(tmp_path):
     assert method["server"]["departures"] == {"use_awpa": {"value": False, "default": True}}
     assert method["key_metric"] == "auc"
     assert card["training"]["rounds"] == [0, 1] and card["training"]["rounds_asked"] == 3
-    assert card["training"]["sites"] == ["site-1", "site-2"]
+    assert card["training"]["sites"] == ["site-1", "site-2", "site-4"]
     census = card["census"]
     assert census["site-1"]["train_size"] == 40 and census["site-2"]["train_size"] == "withheld"
     assert census["site-2"]["samples"] == {"0": 12, "1": 0} and census["site-2"]["zero_sample_rounds"] == ["1"]
@@ -72,12 +73,16 @@ def test_card_of_a_hand_made_run(tmp_path):
     rows = card["validation"]["rounds"]
     assert rows[0]["model"] == "initial" and rows[1]["model"] == "round 0"
     assert rows[0]["pooled"] == pytest.approx(0.8) and rows[1]["pooled"] == pytest.approx(0.7)  # site means
+    # site-4's val split annotates nothing (an unlabelled site): it reports no score; site-2's is curated
+    assert card["validation"]["curated_sites"] == ["site-2"]
+    assert "sites that reported a score: site-1, site-2 " in card["validation"]["labels"]
+    assert "complete (curated) val labels at site-2" in card["validation"]["labels"]
     assert card["models"]["global_model.pt"]["decision_thresholds"]["thresholds"]["c0"] == 0.35
     assert card["models"]["best_global_model.pt"] == {"round": 0, "decision_thresholds": None}
     assert card["result_model"] == "global_model.pt" and "ChestX-ray14" in card["known_limits"]
     md = render_markdown(card)
     for text in ("# Model card: job j1", "`lr` = 0.001 (default 0.0001)", "| site-2 | withheld | 0: 12, 1: 0 |",
-                 "| site-3 | - | - |", "c1 withheld", "| 0 | initial | 0.7000 | 0.9000 | 0.8000 |",
+                 "| site-3 | - | - |", "c1 withheld", "| 0 | initial | 0.7000 | 0.9000 | - | 0.8000 |",
                  "c0 0.35, c1 0.50, c2 0.60",
                  "README.md#results", "## Evaluations", "None yet"):
         assert text in md, text

@@ -68,8 +68,14 @@ def test_label_set_mismatch_multi_label_counts():
         assert tr.label_mask.sum(0).tolist() == [4 if c in classes else 0 for c in CLASSES]
         assert (tr.labels * ~tr.label_mask).sum() == 0  # missing entries are 0 in labels and mask
         assert refs[k].splits["train"].labels.sum(0).tolist() == [POSITIVES[p][c] for c in CLASSES]
-        assert entry["n_train"] == 4 and entry["n_val"] == 2 and site.splits["val"].label_mask.all()
-        assert site.info["annotated_classes"] == sorted(classes)
+        # the val split is annotated as the train split: the same classes; val labels are all 'a'
+        val = site.splits["val"]
+        assert entry["n_train"] == 4 and entry["n_val"] == 2 and entry["val_labels"] == "site"
+        assert val.label_mask.tolist() == [[c in classes for c in CLASSES]] * 2
+        assert val.labels.sum(0).tolist() == [2 if "a" in classes else 0, 0, 0, 0]
+        assert refs[k].splits["val"].label_mask.all() and refs[k].splits["val"].labels.sum() == 2
+        assert entry["val_annotated_positives"]["a"] == (2 if "a" in classes else 0)
+        assert site.info["annotated_classes"] == sorted(classes) and site.info["val_labels"] == "site"
     # annotated + hidden = every positive once: a 5, b 3, c 4, d 3
     totals = summary["totals"]
     assert {c: totals["annotated_positives"][c] + totals["hidden_positives"][c] for c in CLASSES} == \
@@ -81,7 +87,8 @@ def test_label_set_mismatch_multi_label_counts():
 def test_warns_about_a_class_whose_annotating_sites_hold_none_of_its_positives():
     sites, _, summary = partition(_dataset(), "label-set-mismatch", sites=3, seed=0, class_sets=[CLASSES] * 3)
     patients = [_patient(s) for s in sites]
-    assert summary["warnings"] == []  # every class annotated everywhere
+    training = [w for w in summary["warnings"] if "positive training images" in w]
+    assert training == []  # every class annotated everywhere
     # c's 4 positives all belong to patient 1: annotate c only at a site holding another patient,
     # and b (patient 0: 2 positives, patient 2: 1) only where patient 1 is (no b there)
     at_patient = {p: k for k, p in enumerate(patients)}
@@ -91,10 +98,38 @@ def test_warns_about_a_class_whose_annotating_sites_hold_none_of_its_positives()
     sets[at_patient[2]] = ["d"]
     _, _, summary = partition(_dataset(), "label-set-mismatch", sites=3, seed=0, class_sets=sets)
     assert summary["totals"]["annotated_positives"] == {"a": 4, "b": 0, "c": 0, "d": 3}
-    assert len(summary["warnings"]) == 2
-    assert "class 'b' has 3 positive training images, none at a site that annotates it" in summary["warnings"][0]
-    assert "class 'c' has 4 positive training images" in summary["warnings"][1]
+    training = [w for w in summary["warnings"] if "positive training images" in w]
+    assert len(training) == 2
+    assert "class 'b' has 3 positive training images, none at a site that annotates it" in training[0]
+    assert "class 'c' has 4 positive training images" in training[1]
     assert "WARNING: class 'c'" in part.summary_markdown(summary)
+
+
+def test_curated_val_sites_keep_complete_val_labels_and_say_so(tmp_path):
+    sets = [["a", "b"], ["c"], ["d", "a"]]
+    sites, refs, summary = partition(_dataset(), "label-set-mismatch", sites=3, seed=0, class_sets=sets,
+                                     curated_val=["site-2"])
+    assert summary["curated_val"] == ["site-2"]
+    assert sites[1].splits["val"].label_mask.all() and sites[1].splits["val"].labels.sum() == 2
+    assert sites[1].info["val_labels"] == "curated" and summary["per_site"]["site-2"]["val_labels"] == "curated"
+    assert sites[1].splits["train"].label_mask.sum(0).tolist() == [0, 0, 4, 0]  # the train split stays partial
+    assert not sites[0].splits["val"].label_mask.all() and sites[0].info["val_labels"] == "site"
+    assert "complete labels (curated) at site-2" in part.summary_markdown(summary)
+    # val positives of 'a' only: the other classes cannot be scored at any site, and the summary says so
+    unscored = [w for w in summary["warnings"] if "no annotated positive in any site's val split" in w]
+    assert [w.split("'")[1] for w in unscored] == ["b", "c", "d"]
+    every, _, _ = partition(_dataset(), "label-set-mismatch", sites=3, seed=0, class_sets=sets, curated_val=["all"])
+    assert all(s.splits["val"].label_mask.all() for s in every)
+    with pytest.raises(DataError, match=r"--curated-val names \['site-9'\], which are not sites of this split"):
+        partition(_dataset(), "label-set-mismatch", sites=3, seed=0, class_sets=sets, curated_val=["site-9"])
+
+
+def test_semi_supervised_unlabelled_sites_hold_no_val_label():
+    sites, refs, summary = partition(_dataset(), "semi-supervised", sites=3, seed=0, labelled_sites=1)
+    assert sites[0].splits["val"].label_mask.all()
+    for site, ref in zip(sites[1:], refs[1:]):
+        assert not site.splits["val"].label_mask.any() and site.splits["val"].labels.sum() == 0
+        assert ref.splits["val"].label_mask.all() and ref.splits["val"].labels.sum() == 2
 
 
 def test_label_set_mismatch_single_label_zero_rows():
@@ -219,8 +254,17 @@ def test_incomplete_masks_keep_whole_components():
         assert summary["per_site"][f"site-{k + 1}"]["lesions_kept"] == 2 * kept
         assert summary["per_site"][f"site-{k + 1}"]["lesions_total"] == 8
         assert [ndimage.label(m)[1] for m in refs[k].splits["train"].labels] == [4, 4]
-        assert refs[k].splits["train"].labels.max() == 1 and sites[k].splits["val"].labels.sum() == 36
+        # one val image per site, 4 lesions of 9 px: its val mask keeps round(a_k * 4) whole lesions too
+        val = sites[k].splits["val"].labels
+        assert val.sum() == 9 * kept and [ndimage.label(m)[1] for m in val] == [kept]
+        assert refs[k].splits["train"].labels.max() == 1 and refs[k].splits["val"].labels.sum() == 36
     assert summary["totals"]["lesions_kept"] == 14 and summary["totals"]["lesions_total"] == 24
+    # curated val masks (complete) leave the train masks as they are: the val lesions draw from their own stream
+    curated, _, _ = partition(_squares(), "incomplete-masks", sites=3, seed=0, completeness=[25, 50, 100],
+                              curated_val=["all"])
+    for site, other in zip(sites, curated):
+        assert (site.splits["train"].labels == other.splits["train"].labels).all()
+        assert other.splits["val"].labels.sum() == 36
 
 
 def test_incomplete_masks_instance_ids_and_touching_class_ids():

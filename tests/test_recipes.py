@@ -101,8 +101,8 @@ def test_every_profile_exports(tmp_path):
 
 
 def test_a_baseline_matched_to_its_method_takes_model_recipe_and_rounds():
-    # FedMLP (CPU profile): small_cnn depth 4 on grey 64 px, lr 1e-3, batch 32, 1 epoch, 30 rounds; the
-    # FedAvg rule's own Adam betas stay (0.9, 0.99), FedMLP's 0.999 is its paper's
+    # FedMLP (CPU profile): small_cnn depth 4 on grey 64 px, lr 1e-3, batch 32, 1 epoch, Adam betas
+    # (0.9, 0.999), two views per batch, 30 rounds: all of it the baseline's too
     matched = recipes.FedAvgRecipe.matched_to(recipes.FedMLPRecipe())
     s = matched.settings
     assert s["num_rounds"] == 30
@@ -111,13 +111,15 @@ def test_a_baseline_matched_to_its_method_takes_model_recipe_and_rounds():
     assert s["model"]["class_names"] == recipes.HAM10000  # classes come from the data, not the method
     assert {k: s["rule_args"][k] for k in ("lr", "batch_size", "local_epochs")} == {
         "lr": 0.001, "batch_size": 32, "local_epochs": 1}
-    assert "betas" not in s["rule_args"]
+    assert list(s["rule_args"]["betas"]) == [0.9, 0.999] and s["rule_args"]["num_views"] == 2
+    assert "warmup_rounds" not in s["rule_args"]  # FedMLP's own: the FedAvg rule has no such setting
     # a recipe's job names the runtime it needs; jobs/ (exported) names none: package-job writes it
     client = json.loads((REPO / "jobs/fedavg/app/config/config_fed_client.json").read_text())
     assert "runtime_version" not in client["executors"][0]["executor"]["args"]
-    # FedLSM's 1.3 epochs are an iteration budget: the whole-epoch FedAvg keeps its 1
+    # FedLSM's 1.3 local epochs and its student's strong view are its recipe: the baseline's too
     lsm = recipes.FedAvgFullRecipe.matched_to(recipes.FedLSMRecipe()).settings
-    assert lsm["rule_args"]["local_epochs"] == 1 and lsm["num_rounds"] == 50
+    assert lsm["rule_args"]["local_epochs"] == 1.3 and lsm["rule_args"]["augmentation"] == "strong"
+    assert lsm["num_rounds"] == 50
     assert lsm["data_file"] == recipes.FULL_LABELS
 
 

@@ -8,6 +8,11 @@ rounds, evaluates the final global model on the source file's test split, and wr
 ``results.csv``, ``results.md`` (mean ± std and the share of the lower→upper gap closed) and
 PNG plots (per-round validation curves, per-class AUC bars, Dice per completeness setting).
 
+To choose a setting without the test split, ``--select-on val`` scores every job's final model on
+the source's val split only and writes ``selection.csv`` / ``selection.md`` (the jobs ranked by
+the suite's first metric); ``--reuse`` then scores the chosen job's saved model on the test split,
+training nothing again.
+
 Reports read back from the run folder (also ``python -m fedpartial_tools bench-report``): pseudo-label
 quality per round of the method job (``--diagnostics``), prediction overlays of the segmentation
 suites, and the results section of a README between ``<!-- bench:results:begin -->`` /
@@ -19,32 +24,37 @@ from __future__ import annotations
 
 import os
 
-from fedpartial_tools.bench_report import (README_BEGIN, README_END, copy_outputs, markdown_table, plot_results,
-                                           read_rows, seed_dirs, update_readme, write_overlays,
-                                           write_pseudo_label_report, write_reports)
+from fedpartial_tools.bench_report import (README_BEGIN, README_END, SELECTION_CSV, copy_outputs, markdown_table,
+                                           plot_results, read_rows, seed_dirs, update_readme, write_overlays,
+                                           write_pseudo_label_report, write_reports, write_selection)
 from fedpartial_tools.bench_run import run_suite, split_source
 from fedpartial_tools.bench_suites import DEFAULT_DATA, SUITES, is_segmentation
 
 
 def _cmd_bench(args):
     rows = []
-    csv_path = os.path.join(args.out, "results.csv")
-    if args.append and os.path.isfile(csv_path):
+    selecting = args.select_on == "val"
+    csv_path = os.path.join(args.out, SELECTION_CSV if selecting else "results.csv")
+    if (args.append or selecting) and os.path.isfile(csv_path):
         rows = read_rows(csv_path)
     for name in args.suite:
         seeds = [int(s) for s in args.seeds.split(",")]
         new = run_suite(name, args.out, seeds=seeds, profile=args.profile, data_dir=args.data_dir,
                         rounds=args.rounds, jobs=args.jobs.split(",") if args.jobs else None, extra=args.set,
-                        diagnostics=args.diagnostics, overlay_images=args.overlay_images)
+                        diagnostics=args.diagnostics, overlay_images=args.overlay_images,
+                        score_on=args.select_on or "test", reuse=args.reuse)
         # a re-run (same suite, job, seed) replaces the old row
         redone = {(r["suite"], r["method"], int(r["seed"])) for r in new}
         rows = [r for r in rows if (r["suite"], r["method"], int(r["seed"])) not in redone] + new
-        print(write_reports(rows, args.out))
+        print(write_selection(rows, args.out) if selecting else write_reports(rows, args.out))
+        if selecting:
+            continue
         if args.diagnostics:
             md = write_pseudo_label_report(args.out, name, every=args.every)
             if md:
                 print(md)
-    _readme_and_copies(args)
+    if not selecting:
+        _readme_and_copies(args)
 
 
 def _cmd_bench_report(args):
@@ -107,6 +117,12 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--out", required=True)
     s.add_argument("--append", action="store_true", help="keep rows already in OUT/results.csv (a re-run job and seed replaces its row)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra setting for every job")
+    s.add_argument("--select-on", choices=["val"], default=None,
+                   help="choose a setting: score the final models on the source's val split only (never test) and "
+                        f"rank the jobs in OUT/{SELECTION_CSV} and OUT/selection.md; results.csv is not touched")
+    s.add_argument("--reuse", action="store_true",
+                   help="score a job's saved model again where the bench trained it with the same settings "
+                        "(after --select-on val: the chosen job's test score without training it again)")
     s.add_argument("--diagnostics", action="store_true",
                    help="the method job (never the baselines) logs pseudo-label quality against the hidden labels "
                         "(reference_file); writes OUT/<suite>_pseudo_labels.csv and .md")

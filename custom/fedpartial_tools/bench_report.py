@@ -14,7 +14,7 @@ import math
 import os
 import shlex
 import shutil
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -69,11 +69,40 @@ def _value(row: dict, key: str) -> float:
     return float("nan") if value is None or value == "" else float(value)
 
 
-def _fmt(values: List[float], digits: int = 3) -> str:
-    vals = [v for v in values if v is not None and np.isfinite(v)]
+def mean_std(values: Sequence[float]) -> Tuple[float, float]:
+    """Mean and sample standard deviation (ddof 1; NaN for one value) of the finite ``values``.
+
+    Args:
+        values: per-seed values (None / NaN are left out).
+    """
+    vals = [float(v) for v in values if v is not None and np.isfinite(float(v))]
     if not vals:
+        return float("nan"), float("nan")
+    return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else float("nan"))
+
+
+def _fmt(values: List[float], digits: int = 3) -> str:
+    mean, std = mean_std(values)
+    if not np.isfinite(mean):
         return "–"
-    return f"{np.mean(vals):.{digits}f} ± {np.std(vals):.{digits}f}" if len(vals) > 1 else f"{vals[0]:.{digits}f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if np.isfinite(std) else f"{mean:.{digits}f}"
+
+
+#: How every table states its spread and its gap share.
+TABLE_DEFINITIONS = ("mean ± sample std (ddof 1) over seeds; gap = (mean(job) − mean({lower})) / "
+                     "(mean({upper}) − mean({lower})), from the means over seeds")
+
+
+def gap_of_means(job_rows: List[dict], lower_rows: List[dict], upper_rows: List[dict], key: str) -> float:
+    """The share of the lower → upper gap a job closes, from the means over seeds (one definition
+    for every table: per-seed ratios explode where a seed's gap is near 0).
+
+    Args:
+        job_rows / lower_rows / upper_rows: the rows of the job and of the two bounds.
+        key: the metric.
+    """
+    means = [mean_std([_value(r, key) for r in rows])[0] for rows in (job_rows, lower_rows, upper_rows)]
+    return gap_closed(*means)
 
 
 def markdown_table(rows: List[dict]) -> str:
@@ -86,20 +115,88 @@ def suite_table(name: str, rows: List[dict]) -> str:
     suite = SUITES[name]
     sub = [r for r in rows if r["suite"] == name]
     seeds = sorted({r["seed"] for r in sub})
+    definitions = TABLE_DEFINITIONS.format(lower=suite.lower, upper=suite.upper)
     lines = [f"\n**{name}** — {sub[0].get('dataset') or suite.dataset}, {suite.scenario} {suite.split_options}, {suite.sites} sites, "
-             f"{sub[0]['rounds']} rounds, seeds {seeds} (mean ± std over seeds; gap = share of the "
-             f"{suite.lower} → {suite.upper} gap closed)\n"]
+             f"{sub[0]['rounds']} rounds, seeds {seeds} ({definitions})\n"]
     head = ["job"] + suite.metrics + [f"gap {k}" for k in suite.metrics[:2]]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
-    for job in suite.jobs:
+    lower = [r for r in sub if r["method"] == suite.lower]
+    upper = [r for r in sub if r["method"] == suite.upper]
+    for job in dict.fromkeys([*suite.jobs, *(r["method"] for r in sub)]):
         jr = [r for r in sub if r["method"] == job]
         if not jr:
             continue
         cells = [job] + [_fmt([_value(r, k) for r in jr]) for k in suite.metrics]
-        cells += [_fmt([r.get(f"gap_{k}") for r in jr]) for k in suite.metrics[:2]]
+        for k in suite.metrics[:2]:
+            gap = gap_of_means(jr, lower, upper, k)
+            cells.append(f"{gap:.0%}" if np.isfinite(gap) else "–")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing a setting on the val split (bench --select-on val)
+# ---------------------------------------------------------------------------------------------
+SELECTION_CSV = "selection.csv"
+
+
+def selection_table(name: str, rows: List[dict]) -> str:
+    """Markdown ranking of suite ``name``'s method and its variants by the suite's first metric on
+    the source's val split (mean over seeds, best first), the baselines below for reference.
+
+    Args:
+        name: the suite.
+        rows: ``selection.csv`` rows (``scored_on`` = ``val``).
+    """
+    suite = SUITES[name]
+    key = suite.metrics[0]
+    sub = [r for r in rows if r["suite"] == name]
+    if not sub:
+        return ""
+    candidates = [suite.method, *suite.variants]
+    ranked = []
+    for job in dict.fromkeys(r["method"] for r in sub):
+        per_seed = {int(r["seed"]): _value(r, key) for r in sub if r["method"] == job}
+        mean, std = mean_std(list(per_seed.values()))
+        ranked.append((job in candidates, mean, std, job, per_seed))
+    ranked.sort(key=lambda t: (not t[0], -(t[1] if np.isfinite(t[1]) else -np.inf)))
+    seeds = sorted({int(r["seed"]) for r in sub})
+    lines = [f"\n**{name}**: {key} on the source's **val** split (the test split was not read), seeds {seeds}; "
+             f"the method's settings ranked first, best first, then the baselines\n",
+             "| rank | job | settings | " + key + " (mean ± sample std) | per seed |", "|---|---|---|---|---|"]
+    rank = 0
+    for is_candidate, mean, std, job, per_seed in ranked:
+        rank += is_candidate
+        settings = " ".join(suite.variants.get(job, [])) or ("as shipped" if job == suite.method else "baseline")
+        value = f"{mean:.4f} ± {std:.4f}" if np.isfinite(std) else (f"{mean:.4f}" if np.isfinite(mean) else "–")
+        lines.append(f"| {rank if is_candidate else ''} | {job} | {settings} | {value} | "
+                     + " / ".join(f"{v:.4f}" for _, v in sorted(per_seed.items())) + " |")
+    chosen = next((t[3] for t in ranked if t[0] and np.isfinite(t[1])), None)
+    if chosen:
+        lines += ["", f"Chosen: **{chosen}**. Its test score, read once: `python -m fedpartial_tools bench --suite "
+                      f"{name} --seeds {','.join(map(str, seeds))} --jobs {suite.lower},{suite.upper},{chosen} --reuse "
+                      f"--out OUT --append`"]
+    return "\n".join(lines)
+
+
+def write_selection(rows: List[dict], out_dir: str) -> str:
+    """``selection.csv`` and ``selection.md`` (:func:`selection_table` of every suite); returns the markdown.
+
+    Args:
+        rows: rows scored on the val split.
+        out_dir: the bench folder.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    keys = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("suite", "method", "seed"), k))
+    with open(os.path.join(out_dir, SELECTION_CSV), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    md = "\n".join(selection_table(name, rows) for name in suites_of(rows)) + "\n"
+    with open(os.path.join(out_dir, "selection.md"), "w") as f:
+        f.write(md)
+    return md
 
 
 def auc_axis_floor(values: Sequence[float], default: float = 0.4) -> float:

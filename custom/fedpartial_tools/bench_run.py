@@ -1,5 +1,6 @@
 """Running a bench suite: make each seed's split, run every job in the FLARE simulator with the
-same seed and rounds, and evaluate the final global model on the source's test split.
+same seed and rounds, and evaluate the final global model on the source's test split, or (to choose
+a setting) on its val split only.
 """
 
 
@@ -9,7 +10,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -44,8 +45,9 @@ REFERENCE_SET = "reference_file=reference/{site}_full.npz"
 
 def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", data_dir: str = DEFAULT_DATA,
               rounds: Optional[int] = None, jobs: Optional[List[str]] = None, extra: List[str] = (),
-              diagnostics: bool = False, overlay_images: int = 4, log=print) -> List[dict]:
-    """Run one suite for ``seeds``; returns the result rows (also appended to results.csv).
+              diagnostics: bool = False, overlay_images: int = 4, score_on: str = "test", reuse: bool = False,
+              log=print) -> List[dict]:
+    """Run one suite for ``seeds``; returns the result rows (the caller writes them).
 
     Args:
         name: a key of :data:`SUITES`.
@@ -60,6 +62,10 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
             labels (``reference_file``); see :func:`write_pseudo_label_report`.
         overlay_images: segmentation suites: test images in ``<suite>_overlays_seed<k>.png`` after
             each seed (0 = no overlays).
+        score_on: ``test``, or ``val`` to choose among settings: the final models are scored on the
+            source's val split (complete labels, never a site's) and the test split is not read.
+        reuse: keep a job's trained workspace when it was trained with the same settings (e.g. by
+            a ``score_on="val"`` run): its saved final model is scored, nothing is trained again.
     """
     from fedpartial_tools.partition import split_file
     from fedpartial_tools.jobtools import dataset_overrides, find_job, simulate
@@ -74,7 +80,11 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
     if unknown:
         raise ValueError(f"suite '{name}' has no job {unknown}; its jobs: {suite.jobs}")
     # What reproduces these rows (the README shows it as a bench command line).
+    if score_on not in SCORED_SPLITS:
+        raise ValueError(f"score_on must be one of {SCORED_SPLITS}, got '{score_on}'")
     bench_args = json.dumps({"profile": profile, "rounds": rounds, "sets": list(extra), "diagnostics": diagnostics})
+    if score_on == "val":
+        overlay_images = 0  # overlays draw test images
     rows = []
     for seed in seeds:
         split_dir = os.path.join(out_dir, name, f"seed{seed}", "sites")
@@ -102,8 +112,16 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
                         + (list(suite.method_overrides.get(profile, [])) if is_method else [])
                         + suite.variants.get(job, [])
                         + ([REFERENCE_SET] if diagnostics and is_method else []))
-            simulate(find_job(folder), split_dir, ws, job_sets, log=log)
-            row = _evaluate_row(name, suite, job, seed, ws, source, time.time() - started)
+            seconds = trained_before(ws, folder, job_sets) if reuse else None
+            if seconds is None:
+                simulate(find_job(folder), split_dir, ws, job_sets, log=log)
+                seconds = time.time() - started
+                os.makedirs(ws, exist_ok=True)
+                with open(os.path.join(ws, TRAINED_FILE), "w") as f:
+                    json.dump({"job": folder, "sets": list(job_sets), "seconds": round(seconds, 1)}, f, indent=1)
+            else:
+                log(f"{name} seed {seed} {job}: trained before with the same settings, scoring its saved model")
+            row = _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on)
             row["bench_args"] = bench_args
             rows.append(row)
             log(f"{name} seed {seed} {job}: " + ", ".join(f"{k}={row.get(k, float('nan')):.4f}"
@@ -116,30 +134,58 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
     return rows
 
 
-def _evaluate_row(name, suite, job, seed, ws, source, seconds) -> dict:
+SCORED_SPLITS = ("test", "val")
+#: what a bench run trained in a job's workspace (``--reuse`` scores it again only with the same settings)
+TRAINED_FILE = "bench_trained.json"
+
+
+def trained_before(ws: str, job: str, sets: Sequence[str]) -> Optional[float]:
+    """Seconds the training of ``ws`` took, when ``ws`` holds a final model that a bench trained
+    with exactly ``job`` and ``sets``; else None.
+
+    Args:
+        ws: a job's workspace of the bench.
+        job: the job that runs the row (:meth:`Suite.job_folder`).
+        sets: its ``--set`` items.
+    """
+    record = os.path.join(ws, TRAINED_FILE)
+    if not (os.path.isfile(record) and os.path.isfile(os.path.join(ws, "global_model.pt"))):
+        return None
+    done = json.load(open(record))
+    if done.get("job") != job or list(done.get("sets", [])) != list(sets):
+        return None
+    return float(done.get("seconds", 0.0))
+
+
+def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "test") -> dict:
     from fedpartial.data.npz import load_npz
     from fedpartial.evaluation import evaluate_split
     from fedpartial.training.common import select_device
 
     device = select_device("auto")
-    model, meta, data = load_for_eval(ws, load_npz(source), device)
-    test = data.splits["test"]
-    metrics = evaluate_split(model, test, data.task, data.class_names, meta["normalisation"], device)
+    source_data = load_npz(source)
+    if score_on not in source_data.splits:
+        raise ValueError(f"'{source}' has no {score_on} split to score suite '{name}' on")
+    # only the scored split is resized and read
+    source_data = dataclasses.replace(source_data, splits={score_on: source_data.splits[score_on]})
+    model, meta, data = load_for_eval(ws, source_data, device)
+    scored = data.splits[score_on]
+    metrics = evaluate_split(model, scored, data.task, data.class_names, meta["normalisation"], device)
     if data.task == "segmentation":
         from fedpartial.evaluation import predict_split
         from fedpartial.metrics import segmentation_metrics
 
-        probs = predict_split(model, test, data.task, meta["normalisation"], device)
+        probs = predict_split(model, scored, data.task, meta["normalisation"], device)
         # "dice" / "iou" of the DSB2018 tables: per-image means with an empty-both image scoring 1
-        metrics.update(segmentation_metrics(probs > 0.5, np.asarray(test.labels) > 0))
+        metrics.update(segmentation_metrics(probs > 0.5, np.asarray(scored.labels) > 0))
     row = {"suite": name, "method": job, "dataset": os.path.basename(source), "scenario": suite.scenario,
            "split_options": json.dumps(suite.split_options), "seed": seed,
            "rounds": len(json.load(open(os.path.join(ws, "metrics.json")))["rounds"]),
-           "seconds": round(seconds, 1)}
+           "seconds": round(seconds, 1), "scored_on": score_on}
     if suite.shifted_test:
         from fedpartial_tools import synthetic
 
-        shifted = dataclasses.replace(test, images=getattr(synthetic, suite.shifted_test)(np.asarray(test.images)))
+        shifted = dataclasses.replace(scored, images=getattr(synthetic, suite.shifted_test)(np.asarray(scored.images)))
         for k, v in evaluate_split(model, shifted, data.task, data.class_names, meta["normalisation"],
                                    device).items():
             metrics[f"{k}_shift"] = v
@@ -147,7 +193,7 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds) -> dict:
         from fedpartial.models.io import load_model_file
 
         best, _ = load_model_file(os.path.join(ws, "best_global_model.pt"), device=device)
-        for k, v in evaluate_split(best, test, data.task, data.class_names, meta["normalisation"], device).items():
+        for k, v in evaluate_split(best, scored, data.task, data.class_names, meta["normalisation"], device).items():
             metrics[f"{k}_best"] = v
     for k in suite.metrics:
         row[k] = float(metrics.get(k, float("nan")))

@@ -19,7 +19,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import fedpartial
-from fedpartial.algorithms.registry import rule_path
+from fedpartial.algorithms.registry import rule_class, rule_path
 from fedpartial.flare.common import runtime_identity
 
 CONFIGS = {"server": "config_fed_server.json", "client": "config_fed_client.json"}
@@ -179,7 +179,6 @@ RUNTIME_CHECKED = ("fedpartial.flare.executors.FedPartialExecutor", "fedpartial.
 # rules accept. Augmentation stays each rule's own (FedLSM's weak / strong views and FedIRM's affine
 # view are part of those methods).
 SHARED_MODEL_KEYS = ("arch", "arch_args", "in_channels", "input_size", "normalisation", "pretrained")
-SHARED_RULE_KEYS = ("lr", "weight_decay", "batch_size", "local_epochs")  # Adam's betas stay each paper's
 JOBS_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "jobs"))
 
 
@@ -224,8 +223,8 @@ def find_job(job: str, profile: Optional[str] = None) -> str:
 
 
 def job_settings(job_dir: str, overrides: Sequence[str] = ()) -> dict:
-    """The effective ``model`` block, client ``rule_args`` (the rule's constructor defaults where the
-    job leaves them) and ``num_rounds`` of a job folder.
+    """The effective client ``rule`` (registered name), ``model`` block, client ``rule_args`` (the
+    rule's constructor defaults where the job leaves them) and ``num_rounds`` of a job folder.
 
     Args:
         job_dir: the job folder.
@@ -234,38 +233,51 @@ def job_settings(job_dir: str, overrides: Sequence[str] = ()) -> dict:
     configs = {side: json.load(open(path)) for side, path in _config_paths(job_dir).items()}
     apply_overrides(configs, list(overrides))
     executor = configs["client"]["executors"][0]["executor"]
-    rule = _rule_of(executor["path"], executor.get("args", {}))
-    rule_args = {**(constructor_defaults(rule) if rule else {}), **executor.get("args", {}).get("rule_args", {})}
-    return {"model": configs["server"]["model"], "rule_args": json.loads(json.dumps(rule_args)),
+    args = executor.get("args", {})
+    rule = _rule_of(executor["path"], args)
+    rule_args = {**(constructor_defaults(rule) if rule else {}), **args.get("rule_args", {})}
+    name = args.get("rule", constructor_defaults(executor["path"]).get("rule")) if rule else None
+    return {"rule": name, "model": configs["server"]["model"], "rule_args": json.loads(json.dumps(rule_args)),
             "num_rounds": configs["server"].get("num_rounds")}
 
 
-def taken_from_method(method: dict, baseline_rule_args: dict) -> Tuple[dict, dict]:
-    """The model keys (:data:`SHARED_MODEL_KEYS`) and rule arguments (:data:`SHARED_RULE_KEYS` the
-    baseline's rule takes) that a baseline takes from its method, so that a comparison is of rules.
-
-    ``local_epochs`` is taken only when the method's is a whole number: FedLSM's 1.3 epochs are
-    its iteration budget, and the FedAvg rules count whole epochs.
+def recipe_of(method_rule: str, method_rule_args: dict) -> Dict[str, object]:
+    """The method's local recipe as a baseline names it: every client rule argument that is not
+    declared the method's contribution (``ClientRule.CONTRIBUTION``), renamed by ``RECIPE_NAMES``.
 
     Args:
-        method: the method's effective ``model`` and ``rule_args`` (:func:`job_settings`).
+        method_rule: the method's registered client rule name (``fedirm``).
+        method_rule_args: its effective rule arguments (constructor defaults included).
+    """
+    cls = rule_class("client", method_rule)
+    return {cls.RECIPE_NAMES.get(k, k): v for k, v in method_rule_args.items() if k not in cls.CONTRIBUTION}
+
+
+def taken_from_method(method: dict, baseline_rule: str, baseline_rule_args: dict) -> Tuple[dict, dict]:
+    """The model keys (:data:`SHARED_MODEL_KEYS`) and rule arguments a baseline takes from its
+    method, so that a comparison is of rules: the method's whole local recipe (:func:`recipe_of`).
+
+    Args:
+        method: the method's effective ``rule`` (registered name), ``model`` and ``rule_args``
+            (:func:`job_settings`).
+        baseline_rule: the baseline's registered client rule name (for the error).
         baseline_rule_args: the baseline rule's arguments (any values: only the names count).
+
+    Raises:
+        ValueError: naming the setting, when the baseline's rule cannot take a recipe setting.
     """
     model = {k: method["model"][k] for k in SHARED_MODEL_KEYS if k in method["model"]}
-    rule = {}
-    for key in SHARED_RULE_KEYS:
-        value = method["rule_args"].get(key)
-        if key not in baseline_rule_args or value is None:
-            continue
-        if key == "local_epochs" and float(value) != int(value):
-            continue
-        rule[key] = value
+    rule = recipe_of(method["rule"], method["rule_args"]) if method.get("rule") else {}
+    missing = sorted(set(rule) - set(baseline_rule_args))
+    if missing:
+        raise ValueError(f"the baseline rule '{baseline_rule}' cannot take {missing} of the local recipe of "
+                         f"'{method['rule']}': give it those settings, or declare them the method's CONTRIBUTION")
     return model, rule
 
 
 def matched_sets(method_dir: str, baseline_dir: str, overrides: Sequence[str] = ()) -> List[str]:
-    """``--set`` items that give a baseline job its method's model, local recipe and number of
-    rounds (:func:`taken_from_method`), where they differ.
+    """``--set`` items that give a baseline job its method's model, whole local recipe and number
+    of rounds (:func:`taken_from_method`), where they differ.
 
     Args:
         method_dir: the method's job folder (e.g. ``jobs/fedlsm``).
@@ -273,7 +285,9 @@ def matched_sets(method_dir: str, baseline_dir: str, overrides: Sequence[str] = 
         overrides: ``--set`` items applied to both first (a profile, the data's size).
     """
     method, base = job_settings(method_dir, overrides), job_settings(baseline_dir, overrides)
-    model, rule = taken_from_method(method, base["rule_args"])
+    if method["rule"] == base["rule"]:
+        return []  # the method's own job with another setting: nothing to match
+    model, rule = taken_from_method(method, base["rule"], base["rule_args"])
     out = [f"num_rounds={method['num_rounds']}"] if base["num_rounds"] != method["num_rounds"] else []
     out += [f"model.{k}={json.dumps(v)}" for k, v in model.items() if base["model"].get(k) != v]
     out += [f"rule_args.{k}={json.dumps(v)}" for k, v in rule.items() if base["rule_args"][k] != v]

@@ -154,7 +154,7 @@ def completeness_fractions(values: Sequence[float]) -> List[float]:
 def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classes_per_site: Optional[int] = None,
               missing_per_site: Optional[int] = None, labelled_sites: Optional[int] = None,
               completeness: Optional[Sequence[float]] = None, class_sets=None,
-              val_fraction_if_missing: float = 0.15):
+              val_fraction_if_missing: float = 0.15, curated_val: Sequence[str] = ()):
     """Split ``dataset`` into ``sites`` site datasets.
 
     Args:
@@ -169,6 +169,9 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
             when any value exceeds 1); per image Python's ``round(a_k * n)`` whole lesions are kept.
         class_sets: explicit per-site annotated classes (names or indices).
         val_fraction_if_missing: share of each site's train data held out as val when the source has no val split.
+        curated_val: sites (``site-k``, or ``all``) whose val split keeps complete labels: a curated,
+            fully annotated validation set the site really holds. Every other site's val split
+            is annotated as its train split.
 
     Returns:
         (site datasets, reference datasets with complete labels, summary dict)
@@ -180,6 +183,7 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
     segmentation = dataset.task == SEGMENTATION
     if (scenario == "incomplete-masks") != segmentation:
         raise DataError(f"scenario '{scenario}' does not fit {dataset.task} data in {dataset.where()}")
+    curated = _curated_sites(curated_val, sites)
     rng = np.random.default_rng(seed)
     train = dataset.splits["train"]
     parts = assign_to_sites(len(train), sites, rng, train.groups)
@@ -189,7 +193,8 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
         if len(p) == 0:
             raise DataError(f"site 'site-{k + 1}' would get no training images ({len(train)} images for {sites} sites)")
     summary = {"source": dataset.source, "scenario": scenario, "sites": sites, "seed": seed,
-               "class_names": dataset.class_names, "task": dataset.task, "per_site": {}}
+               "class_names": dataset.class_names, "task": dataset.task, "curated_val": sorted(curated),
+               "per_site": {}}
     class_sets_out = None
     if scenario in ("label-set-mismatch", "missing-classes"):
         class_sets_out = annotated_class_sets(dataset, scenario, sites, rng, classes_per_site, missing_per_site,
@@ -212,8 +217,9 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
             n_val = max(1, int(round(len(tr) * val_fraction_if_missing))) if len(tr) > 1 else 0
             order = rng.permutation(len(tr))
             va, tr = tr.subset(np.sort(order[:n_val])), tr.subset(np.sort(order[n_val:]))
-        info = {"scenario": scenario, "seed": seed, "source": os.path.basename(dataset.source)}
-        entry = {"n_train": len(tr), "n_val": len(va)}
+        val_labels = "curated" if name in curated else "site"
+        info = {"scenario": scenario, "seed": seed, "source": os.path.basename(dataset.source), "val_labels": val_labels}
+        entry = {"n_train": len(tr), "n_val": len(va), "val_labels": val_labels}
         if segmentation:
             binary = lambda s: Split(s.images, (s.labels > 0).astype(np.uint8), None, s.ids, s.groups)  # noqa: E731
             kept_masks, kept, total = [], 0, 0
@@ -224,7 +230,15 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
             site_train = Split(tr.images, np.stack(kept_masks) if kept_masks else tr.labels[:0].astype(np.uint8),
                                None, tr.ids, tr.groups)
             ref_train = binary(tr)
-            va = binary(va)
+            ref_val = binary(va)
+            if val_labels == "site":
+                # the val masks miss lesions as the train masks do; an rng of their own keeps the
+                # train masks those of a split without this step
+                val_rng = np.random.default_rng([seed, VAL_STREAM, k])
+                kept_val = [keep_lesions(m, completeness[k], val_rng, instance_ids)[0] for m in va.labels]
+                va = Split(va.images, np.stack(kept_val) if kept_val else ref_val.labels, None, va.ids, va.groups)
+            else:
+                va = ref_val
             info.update(completeness=completeness[k], lesions_kept=kept, lesions_total=total)
             entry.update(completeness=completeness[k], lesions_kept=kept, lesions_total=total)
             class_names = dataset.class_names if dataset.num_classes == 1 else ["lesion"]
@@ -247,15 +261,23 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
                 entry["labelled"] = labelled
             site_train = Split(tr.images, labels, mask, tr.ids, tr.groups)
             ref_train = Split(tr.images, tr.labels, np.ones_like(tr.labels, bool), tr.ids, tr.groups)
+            ref_val = va
+            if val_labels == "site":  # the val split annotated as the train split: the same classes, or none
+                annotated_val = np.broadcast_to(mask.any(axis=0) if len(mask) else np.zeros(mask.shape[1], bool),
+                                                va.labels.shape).copy()
+                va = Split(va.images, np.where(annotated_val, va.labels, 0).astype(va.labels.dtype), annotated_val,
+                           va.ids, va.groups)
             entry["annotated_positives"] = {c: int(v) for c, v in zip(class_names, (labels * mask).sum(0))}
             entry["hidden_positives"] = {c: int(v) for c, v in zip(class_names, (tr.labels * ~mask).sum(0))}
             entry["annotated_classes"] = [c for c, a in zip(class_names, mask.any(0)) if a]
+            val_mask = np.ones_like(va.labels, bool) if va.label_mask is None else va.label_mask
+            entry["val_annotated_positives"] = {c: int(v) for c, v in zip(class_names, (va.labels * val_mask).sum(0))}
         summary["class_names"] = class_names
         summary["per_site"][name] = entry
         totals = summary.setdefault("totals", {"n_train": 0, "n_val": 0})
         totals["n_train"] += entry["n_train"]
         totals["n_val"] += entry["n_val"]
-        for key in ("annotated_positives", "hidden_positives"):
+        for key in ("annotated_positives", "hidden_positives", "val_annotated_positives"):
             if key in entry:
                 into = totals.setdefault(key, {c: 0 for c in class_names})
                 for c, v in entry[key].items():
@@ -265,10 +287,26 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
                 totals[key] = totals.get(key, 0) + entry[key]
         site_sets.append(Dataset(dataset.task, class_names, {"train": site_train, "val": va}, dataset.source, name,
                                  info))
-        refs.append(Dataset(dataset.task, class_names, {"train": ref_train, "val": va}, dataset.source, name,
-                            dict(info, reference=True)))
-    summary["warnings"] = unlearnable_class_warnings(summary)
+        refs.append(Dataset(dataset.task, class_names, {"train": ref_train, "val": ref_val}, dataset.source, name,
+                            dict(info, reference=True, val_labels="complete")))
+    summary["warnings"] = unlearnable_class_warnings(summary) + unscored_class_warnings(summary)
     return site_sets, refs, summary
+
+
+#: the val masks' lesions are drawn from a stream of their own (``[seed, VAL_STREAM, site index]``)
+VAL_STREAM = 2
+
+
+def _curated_sites(curated_val, sites: int) -> set:
+    """Site names of ``curated_val`` (``site-k`` names or ``all``), checked against ``sites``."""
+    names = {f"site-{k + 1}" for k in range(sites)}
+    chosen = {str(c).strip() for c in (curated_val or ()) if str(c).strip()}
+    if "all" in chosen:
+        return names
+    unknown = sorted(chosen - names)
+    if unknown:
+        raise DataError(f"--curated-val names {unknown}, which are not sites of this split ({sorted(names)})")
+    return chosen
 
 
 def unlearnable_class_warnings(summary: dict) -> List[str]:
@@ -289,10 +327,29 @@ def unlearnable_class_warnings(summary: dict) -> List[str]:
             for c in summary["class_names"] if annotated[c] == 0 and hidden[c] > 0]
 
 
+def unscored_class_warnings(summary: dict) -> List[str]:
+    """A line per class with no annotated positive in any site's val split: the sites' validation
+    (and the best-model selection over it) cannot score that class, so the macro metrics they
+    report average over the other classes only.
+
+    Args:
+        summary: :func:`partition`'s summary (``totals`` with ``val_annotated_positives``).
+    """
+    val = summary.get("totals", {}).get("val_annotated_positives")
+    if not val or not summary.get("totals", {}).get("n_val"):
+        return []
+    return [f"class '{c}' has no annotated positive in any site's val split: site validation and the best-model "
+            f"selection score the other classes only (--curated-val names sites with complete val labels)"
+            for c in summary["class_names"] if val[c] == 0]
+
+
 def summary_markdown(summary: dict) -> str:
     """Per-site table of annotated positives per class (like FedLSM's supplementary Tables 5-6)."""
+    curated = summary.get("curated_val") or []
     lines = [f"# Split of {os.path.basename(summary['source'])}: {summary['scenario']}, {summary['sites']} sites, "
-             f"seed {summary['seed']}", ""]
+             f"seed {summary['seed']}", "",
+             "Val splits: " + (f"complete labels (curated) at {', '.join(curated)}; every other site's " if curated
+                               else "every site's ") + "val split is annotated as its train split", ""]
     sites = summary["per_site"]
     if summary["task"] == SEGMENTATION:
         lines += ["| site | train | val | completeness | lesions kept / total |", "|---|---|---|---|---|"]
@@ -380,6 +437,10 @@ def add_split_arguments(parser) -> None:
     parser.add_argument("--labelled-sites", type=int, default=None, help="semi-supervised: the first L sites")
     parser.add_argument("--completeness", default=None,
                         help="incomplete-masks: a1,a2,... fraction (or %%) of lesions each site keeps")
+    parser.add_argument("--curated-val", default="",
+                        help="sites whose val split keeps complete labels (a curated, fully annotated validation "
+                             "set they really hold): 'site-1,site-3' or 'all'; default none: each val split is "
+                             "annotated as its site's train split")
     parser.add_argument("--class-sets", default=None,
                         help="label-set-mismatch / missing-classes: explicit annotated classes per site, "
                              "sites separated by ';', classes (names or indices) by ',', e.g. 'a,b;c;a,d'")
@@ -409,6 +470,7 @@ def split_command(args) -> None:
     class_sets = parse_class_sets(getattr(args, "class_sets", None))
     summary = split_file(args.data, args.scenario, args.sites, args.seed, args.out,
                          classes_per_site=args.classes_per_site, missing_per_site=args.missing_per_site,
-                         labelled_sites=args.labelled_sites, completeness=completeness, class_sets=class_sets)
+                         labelled_sites=args.labelled_sites, completeness=completeness, class_sets=class_sets,
+                         curated_val=[c for c in getattr(args, "curated_val", "").split(",") if c.strip()])
     print(summary_markdown(summary))
     print(f"wrote {args.sites} site files to {os.path.abspath(args.out)}")

@@ -416,17 +416,17 @@ class FedPartialRecipe(Recipe):
     @classmethod
     def matched_to(cls, method: "FedPartialRecipe", **kwargs) -> "FedPartialRecipe":
         """This baseline with ``method``'s model (:data:`~fedpartial_tools.jobtools.SHARED_MODEL_KEYS`),
-        local recipe (:data:`~fedpartial_tools.jobtools.SHARED_RULE_KEYS`, whole ``local_epochs``
-        only) and rounds: a comparison of rules, not of networks or schedules.
+        whole local recipe (every client setting that is not the method's ``CONTRIBUTION``) and
+        rounds: a comparison of rules, not of networks, augmentations or schedules.
 
         Args:
             method: the method's recipe.
             kwargs: further constructor arguments of this baseline (``profile``, ``data_root`` ...).
         """
         mine = cls.profile_settings(**kwargs)
-        effective = {"model": method.settings["model"],
+        effective = {"rule": method.CLIENT_RULE, "model": method.settings["model"],
                      "rule_args": {**rule_defaults("client", method.CLIENT_RULE), **method.settings["rule_args"]}}
-        model, rule = taken_from_method(effective, rule_defaults("client", cls.CLIENT_RULE))
+        model, rule = taken_from_method(effective, cls.CLIENT_RULE, rule_defaults("client", cls.CLIENT_RULE))
         kwargs = {k: v for k, v in kwargs.items() if k not in ("model", "rule_args", "num_rounds")}
         return cls(model={**mine["model"], **model}, rule_args={**mine["rule_args"], **rule},
                    num_rounds=method.settings["num_rounds"], **kwargs)

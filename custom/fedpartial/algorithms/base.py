@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import numpy as np
 
@@ -88,6 +88,12 @@ class ClientRule:
 
     #: ``classification`` or ``segmentation``: which executor / data the rule expects.
     task_kind = "classification"
+    #: Constructor arguments that are the method's own contribution. A FedAvg baseline matched to
+    #: the method (``--matched-to``, the bench's rows) takes every other argument: the method's
+    #: local recipe (augmentation, label smoothing, views, local epochs, optimiser settings).
+    CONTRIBUTION: FrozenSet[str] = frozenset()
+    #: recipe arguments the FedAvg baselines name differently: ``{method's name: baseline's name}``
+    RECIPE_NAMES: Dict[str, str] = {}
 
     def setup(self, ctx: ClientContext) -> None:
         """Called once before the first round (and again after a site restart)."""

@@ -12,17 +12,23 @@ Three baselines share :class:`SupervisedClient`, differing only in ``loss_mode``
 
 A site with no annotated sample (an unlabelled site of a semi-supervised split) returns
 ``num_samples = 0`` and so takes no part in the average: FedAvg on the labelled sites only.
+
+A baseline matched to a method (``--matched-to``) takes the method's whole local recipe: the
+augmentation, label smoothing, views per batch, local epochs (fractional ones too) and the
+optimiser's settings are all constructor arguments here.
 """
 from __future__ import annotations
 
 from typing import List
+
+import math
 
 import numpy as np
 import torch
 
 from fedpartial.algorithms.aggregation import average_weights
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
-from fedpartial.data.transforms import flip_batch, make_view
+from fedpartial.data.transforms import training_view
 from fedpartial.data.types import SINGLE_LABEL
 from fedpartial.training.common import ImageSource, batch_indices, prefetch, round_seed, seed_everything
 from fedpartial.training.losses import masked_bce_with_logits, masked_cross_entropy
@@ -52,7 +58,7 @@ def labelled_rows(labels: np.ndarray, label_mask: np.ndarray, task: str) -> np.n
 
 
 def supervised_loss(logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, task: str,
-                    loss_mode: str) -> torch.Tensor:
+                    loss_mode: str, label_smoothing: float = 0.0) -> torch.Tensor:
     """Loss of one batch for a FedAvg baseline (see module docstring).
 
     Args:
@@ -61,12 +67,14 @@ def supervised_loss(logits: torch.Tensor, labels: torch.Tensor, label_mask: torc
         label_mask: ``(N, C)`` 1 where annotated.
         task: ``single-label`` or ``multi-label``.
         loss_mode: one of ``missing-negative``, ``partial``, ``full``.
+        label_smoothing: cross-entropy label smoothing (single-label only).
     """
     if task == SINGLE_LABEL:
         target = labels.argmax(dim=1)
         known = ((labels * label_mask) > 0.5).any(dim=1).float()
         class_mask = label_mask if loss_mode == "partial" else None
-        return masked_cross_entropy(logits, target, class_mask=class_mask, sample_weight=known)
+        return masked_cross_entropy(logits, target, class_mask=class_mask, sample_weight=known,
+                                    label_smoothing=label_smoothing)
     mask = label_mask if loss_mode == "partial" else torch.ones_like(labels)
     return masked_bce_with_logits(logits, labels, mask)
 
@@ -86,9 +94,14 @@ class SupervisedClient(ClientRule):
         weight_decay: Adam weight decay.
         betas: Adam betas.
         batch_size: samples per step.
-        local_epochs: epochs over the site's labelled samples per round.
-        local_iterations: if > 0, a fixed number of steps per round instead of epochs.
-        augmentation: ``none`` | ``weak`` | ``strong`` view of the training images.
+        local_epochs: epochs over the site's labelled samples per round; a fraction gives
+            ``ceil(local_epochs * n / batch_size)`` steps.
+        local_iterations: if set (> 0), a fixed number of steps per round instead of epochs.
+        augmentation: view of the training images, one of
+            :data:`fedpartial.data.transforms.TRAINING_VIEWS` (``affine`` takes ``rotate_deg`` / ``translate``).
+        rotate_deg / translate: of the ``affine`` augmentation.
+        label_smoothing: cross-entropy label smoothing (single-label).
+        num_views: augmented views of each batch whose losses are averaged in one step.
         loader_workers: batches prepared ahead by a background thread (0 = read each batch when
             it is needed; results do not depend on it). Off by default: on CPU, reading and
             converting a batch from a memory-mapped folder cost about 1-4% of a step, and the
@@ -97,17 +110,22 @@ class SupervisedClient(ClientRule):
     """
 
     def __init__(self, loss_mode: str = "missing-negative", lr: float = 1e-4, weight_decay: float = 5e-4,
-                 betas=(0.9, 0.99), batch_size: int = 64, local_epochs: int = 1, local_iterations: int = 0,
-                 augmentation: str = "weak", loader_workers: int = 0):
+                 betas=(0.9, 0.99), batch_size: int = 64, local_epochs: float = 1, local_iterations=None,
+                 augmentation: str = "weak", rotate_deg: float = 10.0, translate: float = 0.02,
+                 label_smoothing: float = 0.0, num_views: int = 1, loader_workers: int = 0):
         if loss_mode not in LOSS_MODES:
             raise ValueError(f"loss_mode '{loss_mode}' unknown; choose one of {LOSS_MODES}")
         if int(loader_workers) < 0:
             raise ValueError(f"loader_workers must be >= 0, got {loader_workers}")
+        if not float(local_epochs) > 0 or int(num_views) < 1 or not 0.0 <= float(label_smoothing) < 1.0:
+            raise ValueError(f"local_epochs must be > 0, num_views >= 1 and label_smoothing in [0, 1); got "
+                             f"{local_epochs}, {num_views}, {label_smoothing}")
         self.loss_mode, self.lr, self.weight_decay, self.betas = loss_mode, lr, weight_decay, tuple(betas)
-        self.batch_size, self.local_epochs, self.local_iterations = batch_size, local_epochs, local_iterations
-        self.augmentation = augmentation
+        self.batch_size, self.local_epochs = batch_size, float(local_epochs)
+        self.local_iterations = int(local_iterations or 0)
+        self.augmentation, self.label_smoothing, self.num_views = augmentation, float(label_smoothing), int(num_views)
         self.loader_workers = int(loader_workers)
-        self.view = None if augmentation == "weak" else make_view(augmentation)
+        self.view = training_view(augmentation, rotate_deg=rotate_deg, translate=translate)
 
     def setup(self, ctx):
         super().setup(ctx)
@@ -125,8 +143,6 @@ class SupervisedClient(ClientRule):
         return self.images.batch(idx)
 
     def _augment(self, x: torch.Tensor) -> torch.Tensor:
-        if self.augmentation == "weak":
-            return flip_batch(x)
         return x if self.view is None else self.view(x)
 
     def _batches(self, n: int, rng: np.random.Generator, epochs: int):
@@ -148,20 +164,26 @@ class SupervisedClient(ClientRule):
         model.train()
         losses, steps = [], 0
         max_steps = self.local_iterations if self.local_iterations > 0 else None
-        epochs = self.local_epochs if max_steps is None else 10**9
+        if max_steps is None and self.local_epochs != int(self.local_epochs):
+            max_steps = max(1, math.ceil(self.local_epochs * n / self.batch_size))
+        epochs = int(self.local_epochs) if max_steps is None else 10**9
         batches = prefetch(self._batches(n, rng, epochs), self.loader_workers)
         try:
             for idx, images in batches:
                 if self.ctx.abort():
                     return RoundResult(num_samples=n, metrics={"train_loss": float(np.mean(losses or [0.0]))})
-                x = self._augment(images).to(device, non_blocking=True)
-                _, logits = model(x)
-                loss = supervised_loss(logits, self.labels[idx].to(device), self.label_mask[idx].to(device),
-                                       self.task, self.loss_mode)
+                labels, label_mask = self.labels[idx].to(device), self.label_mask[idx].to(device)
                 optimizer.zero_grad(set_to_none=True)
-                loss.backward()
+                loss = 0.0
+                for _view in range(self.num_views):  # one backward per view: one view's activations at a time
+                    x = self._augment(images).to(device, non_blocking=True)
+                    _, logits = model(x)
+                    view_loss = supervised_loss(logits, labels, label_mask, self.task, self.loss_mode,
+                                                self.label_smoothing) / self.num_views
+                    view_loss.backward()
+                    loss += float(view_loss.detach())
                 optimizer.step()
-                losses.append(float(loss.detach()))
+                losses.append(loss)
                 steps += 1
                 if max_steps is not None and steps >= max_steps:
                     break

@@ -362,6 +362,11 @@ class FedIAClient(SegmentationSupervisedClient):
             another loss the site's mean loss ℓ_k of eq. 5 is that loss).
     """
 
+    CONTRIBUTION = frozenset({
+        "warmup_rounds", "iou_margin", "correction_threshold", "use_correction", "correct_repeatedly", "connectivity",
+        "completeness_floor", "completeness_cap", "min_predicted_ratio", "correction_rule", "warmup_from_first_lesion",
+        "retry_empty_correction"})
+
     task_kind = "segmentation"
 
     def __init__(self, warmup_rounds: int = 10, iou_margin: float = 0.03, correction_threshold: float = 0.8,

@@ -90,7 +90,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -101,14 +101,14 @@ from fedpartial.algorithms.aggregation import average_weights
 from fedpartial.algorithms.base import ClientContext, ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, \
     SiteUpdate
 from fedpartial.algorithms.fedavg import labelled_rows
-from fedpartial.data.transforms import flip_batch, make_view
+from fedpartial.data.transforms import training_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL
 from fedpartial.training.common import (EMATeacher, ImageSource, batch_indices, probabilities, round_seed,
                                         seed_everything)
 from fedpartial.training.losses import masked_bce_with_logits, masked_cross_entropy
 
 TEACHER_FILE = "fedirm_teacher.pt"
-AUGMENTATIONS = ("paper", "flip", "weak", "strong", "none")
+AUGMENTATIONS = ("affine", "flip", "weak", "strong", "none")
 RELATION_WEIGHTINGS = ("sites", "counts")
 # Keys of the statistics on the wire.
 RELATION_MATRIX = "relation_matrix"
@@ -425,20 +425,6 @@ def average_relation_matrices(matrices: List[np.ndarray], counts: List[np.ndarra
 # ---------------------------------------------------------------------------------------------
 # Client rule
 # ---------------------------------------------------------------------------------------------
-def _paper_view(rotate_deg: float, translate: float) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The paper's perturbation (reference code: RandomAffine(10 deg, translate 2 %) + horizontal
-    flip), vectorised over the batch with MONAI's affine layer."""
-    from fedpartial.data.transforms import affine_batch
-
-    def apply(batch: torch.Tensor) -> torch.Tensor:
-        flip = torch.rand(batch.shape[0]) < 0.5
-        batch = batch.clone()
-        batch[flip] = batch[flip].flip(-1)
-        return affine_batch(batch, rotate_deg=rotate_deg, shift=translate, scale=0.0)
-
-    return apply
-
-
 class FedIRMClient(ClientRule):
     """FedIRM local training; the labelled or unlabelled branch is chosen from the site's data.
 
@@ -474,11 +460,17 @@ class FedIRMClient(ClientRule):
         betas: Adam betas ((0.9, 0.99), paper).
         batch_size: 48 (paper), labelled and unlabelled.
         local_epochs: epochs per round (1).
-        augmentation: ``paper`` (rotation + translation + flip, MONAI), ``flip`` (fast vectorised
-            flips), ``weak`` / ``strong`` (``data.transforms.make_view``) or ``none``.
-        rotate_deg: max rotation of the ``paper`` augmentation (10, reference code).
-        translate: max shift of the ``paper`` augmentation as a fraction of the size (0.02).
+        augmentation: ``affine`` (the reference code's rotation + translation + flip, MONAI),
+            ``flip`` (fast vectorised flips), ``weak`` / ``strong`` (``data.transforms.training_view``)
+            or ``none``.
+        rotate_deg: max rotation of the ``affine`` augmentation (10, reference code).
+        translate: max shift of the ``affine`` augmentation as a fraction of the size (0.02).
     """
+
+    CONTRIBUTION = frozenset({
+        "temperature", "ema_decay", "mc_passes", "entropy_threshold", "multilabel_entropy_threshold", "min_confidence",
+        "ramp_rounds", "reliable_fraction", "reliable_per_class", "max_unsupervised_weight", "relation_weight",
+        "pseudo_label_weight", "pseudo_label_balance", "unlabelled_start_round", "ramp_scales_lr"})
 
     def __init__(self, temperature: float = 2.0, label_smoothing: float = 0.1, ema_decay: float = 0.99,
                  mc_passes: int = 8, entropy_threshold: float = math.log(2.0),
@@ -488,7 +480,7 @@ class FedIRMClient(ClientRule):
                  pseudo_label_balance: bool = False, unlabelled_start_round: int = 0,
                  ramp_scales_lr: bool = False, lr: float = 2e-4,
                  weight_decay: float = 5e-4, betas=(0.9, 0.99), batch_size: int = 48, local_epochs: int = 1,
-                 augmentation: str = "paper", rotate_deg: float = 10.0, translate: float = 0.02):
+                 augmentation: str = "affine", rotate_deg: float = 10.0, translate: float = 0.02):
         if temperature <= 0:
             raise ValueError(f"FedIRM temperature must be > 0, got {temperature}")
         if not 0.0 <= label_smoothing < 1.0:
@@ -528,12 +520,7 @@ class FedIRMClient(ClientRule):
         self.lr, self.weight_decay, self.betas = float(lr), float(weight_decay), tuple(betas)
         self.batch_size, self.local_epochs = int(batch_size), int(local_epochs)
         self.augmentation = augmentation
-        if augmentation == "paper":
-            self._view = _paper_view(rotate_deg, translate)
-        elif augmentation in ("weak", "strong"):
-            self._view = make_view(augmentation)
-        else:
-            self._view = None
+        self._view = training_view(augmentation, rotate_deg=rotate_deg, translate=translate)
         self._teacher: Optional[EMATeacher] = None
         self._teacher_state: Optional[dict] = None
         self._warned_no_dropout = False
@@ -578,8 +565,6 @@ class FedIRMClient(ClientRule):
                 f"({len(self.rows)} training images)")
 
     def _augment(self, x: torch.Tensor) -> torch.Tensor:
-        if self.augmentation == "flip":
-            return flip_batch(x)
         return x if self._view is None else self._view(x)
 
     def _optimizer(self, model: nn.Module, lr_scale: float = 1.0) -> torch.optim.Optimizer:

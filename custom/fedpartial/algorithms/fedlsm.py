@@ -292,6 +292,14 @@ class FedLSMClient(ClientRule):
             sample being of a missing class (see :func:`single_label_pseudo_labels`); False = paper.
     """
 
+    # class_weighted_bce / max_pos_weight: the weights come from the server's class counts, FedLSM's statistics
+    CONTRIBUTION = frozenset({
+        "ude_pairs", "confident_fraction", "uncertain_fraction", "ema_decay", "tau", "tau_l", "tau_p", "tau_n", "tau_lp",
+        "tau_ln", "lambda_ude", "mixup_alpha", "use_ue", "use_ude", "class_weighted_bce", "max_pos_weight",
+        "eval_batch_size", "renormalise_missing"})
+    # the student's view is what the labelled loss sees: the baselines' augmentation
+    RECIPE_NAMES = {"strong_view": "augmentation"}
+
     def __init__(self, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 5e-4, batch_size: int = 64,
                  ude_pairs: int = 4, local_iterations: Optional[int] = None, local_epochs: Optional[float] = None,
                  confident_fraction: Optional[float] = None, uncertain_fraction: Optional[float] = None,

@@ -652,6 +652,11 @@ class FedMLPClient(ClientRule):
             than its ``min_count`` entries.
     """
 
+    CONTRIBUTION = frozenset({
+        "warmup_rounds", "low", "high", "la_tau", "la_eps", "cr_weight", "use_mld", "use_wpc", "use_cr",
+        "use_adaptive_threshold", "prediction_batch_size", "positive_tag_cap", "positive_tag_scale",
+        "assumed_negative_weight", "warmup_end", "min_warmup_rounds", "cr_in_warmup", "la_prior", "tag_check_samples"})
+
     task_kind = "classification"
 
     def __init__(self, warmup_rounds: int = 50, lr: float = 3e-5, weight_decay: float = 5e-4,

@@ -64,6 +64,45 @@ class _RelativeShift(Randomizable):
         return torch.roll(torch.as_tensor(img), shifts=(dy, dx), dims=(-2, -1))
 
 
+#: Every augmentation a classification rule's ``augmentation`` may name (:func:`training_view`).
+TRAINING_VIEWS = ("none", "weak", "flip", "strong", "strong-per-sample", "affine")
+
+
+def affine_flip_batch(batch: torch.Tensor, rotate_deg: float = 10.0, translate: float = 0.02) -> torch.Tensor:
+    """A horizontal flip (p = 0.5) and a random rotation / shift per image, on the whole batch
+    with MONAI's affine layer (FedIRM's reference perturbation: RandomAffine(10 deg, 2 %) + flip).
+
+    Args:
+        batch: ``(N, C, H, W)`` float images.
+        rotate_deg: largest rotation in degrees.
+        translate: largest shift as a fraction of the size.
+    """
+    flip = torch.rand(batch.shape[0]) < 0.5
+    batch = batch.clone()
+    batch[flip] = batch[flip].flip(-1)
+    return affine_batch(batch, rotate_deg=rotate_deg, shift=translate, scale=0.0)
+
+
+def training_view(kind: str, seed: Optional[int] = None, rotate_deg: float = 10.0,
+                  translate: float = 0.02) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """The batch augmentation a classification rule names (None for ``none``): ``weak`` / ``flip``
+    (horizontal flips), ``strong`` / ``strong-per-sample`` (:func:`make_view`), ``affine``
+    (:func:`affine_flip_batch`). One table for the methods and the baselines matched to them.
+
+    Args:
+        kind: one of :data:`TRAINING_VIEWS`.
+        seed: seeds ``strong`` views (None draws from torch's generator).
+        rotate_deg / translate: of the ``affine`` view.
+    """
+    if kind not in TRAINING_VIEWS:
+        raise ValueError(f"unknown augmentation '{kind}'; choose one of {TRAINING_VIEWS}")
+    if kind in ("weak", "flip"):
+        return flip_batch
+    if kind == "affine":
+        return lambda batch: affine_flip_batch(batch, rotate_deg, translate)
+    return make_view(kind, seed=seed)
+
+
 def make_view(kind: str = "weak", seed: Optional[int] = None, **kwargs) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """Return a batch view function, or None for ``none``. ``weak`` and ``strong`` are the
     vectorised versions of :func:`weak_pipeline` / :func:`strong_pipeline` (same operations,

@@ -108,6 +108,12 @@ def load_site_dataset(path: str, site: str, settings: dict, cache_dir: str = "",
     return resize_dataset(data, size)
 
 
+def has_val_labels(val, task: str) -> bool:
+    """Whether a val split annotates anything (a classification entry; segmentation masks always
+    count: an empty mask is a measurement)."""
+    return task == SEGMENTATION or val.label_mask is None or bool(np.any(val.label_mask))
+
+
 class FedPartialExecutor(Executor):
     """Runs a method's client rule for the tasks ``train``, ``validate`` and ``submit_model``.
 
@@ -352,18 +358,24 @@ class FedPartialExecutor(Executor):
         from fedpartial.evaluation import predict_split
 
         val = self.data.splits.get("val")
-        if self.data.task == SEGMENTATION or val is None or len(val) == 0:
+        if self.data.task == SEGMENTATION or val is None or len(val) == 0 or not has_val_labels(val, self.data.task):
             return None
         # a second pass over the val split: evaluate_split keeps its probabilities to itself
         probs = predict_split(model, val, self.data.task, self.settings["normalisation"], self.device)
         return probability_histograms(probs, val.labels, val.label_mask)
 
     def evaluate(self, model) -> dict:
-        """Metrics of ``model`` on this site's val split (complete labels)."""
+        """Metrics of ``model`` on this site's val split, over the labels the site holds there
+        (as its train split is annotated, unless the split file says ``val_labels: curated``).
+        Empty where the val split annotates nothing (an unlabelled site): no score, not a 0.
+        ``val_curated`` = 1 where the site's val split is a curated, completely annotated one."""
         from fedpartial.evaluation import evaluate_split
 
         val = self.data.splits.get("val")
-        if val is None or len(val) == 0:
+        if val is None or len(val) == 0 or not has_val_labels(val, self.data.task):
             return {}
-        return evaluate_split(model, val, self.data.task, self.data.class_names, self.settings["normalisation"],
-                              self.device, flat=True)
+        metrics = evaluate_split(model, val, self.data.task, self.data.class_names, self.settings["normalisation"],
+                                 self.device, flat=True)
+        if (self.data.info or {}).get("val_labels") == "curated":
+            metrics["val_curated"] = 1.0
+        return metrics

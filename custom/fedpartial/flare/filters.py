@@ -304,6 +304,8 @@ VALIDATION_METRICS: Dict[str, str] = {
     "n_images": "count", "n_empty_both": "count", "dice_per_image": "scope", "iou_per_image": "scope",
     "dice_pooled": "scope", "iou_pooled": "scope", "predicted_lesion_share": "scope",
     "tp": "scope", "fp": "scope", "fn": "scope",
+    # 1 where the val split is a curated, completely annotated one (a property of the split file)
+    "val_curated": "value",
 }
 VALIDATION_SCOPE = "n_images"
 

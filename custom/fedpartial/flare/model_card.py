@@ -231,7 +231,14 @@ def validation_section(rounds: List[dict], key_metric: str) -> Dict:
             pooled, how = (sum(values) / len(values) if values else None), "mean over sites"
         rows.append({"round": rnd, "model": "initial" if rnd == 0 else f"round {rnd - 1}", "sites": per_site,
                      "pooled": pooled, "pooled_how": how})
-    return {"key_metric": key_metric, "rounds": rows}
+    curated = sorted({s for r in rounds for s, e in (r.get("sites") or {}).items()
+                      if (e.get("val") or {}).get("val_curated") == 1})
+    reporting = sorted({s for row in rows for s, v in row["sites"].items() if isinstance(v, (int, float))})
+    labels = ("each site's val split, scored on the labels the site holds there (annotated as its train split)"
+              + (f"; complete (curated) val labels at {', '.join(curated)}" if curated else "")
+              + f"; sites that reported a score: {', '.join(reporting) or 'none'} (a site whose val split "
+                "annotates nothing reports none)")
+    return {"key_metric": key_metric, "labels": labels, "curated_sites": curated, "rounds": rows}
 
 
 def model_files_section(run_dir: str, names: Sequence[str]) -> Dict:
@@ -385,7 +392,7 @@ def render_markdown(card: Dict) -> str:
     sites = sorted({s for r in val.get("rounds", []) for s in r["sites"]})
     lines += ["", f"## Validation per round ({val.get('key_metric')})", "",
               "Each site scores the global model it receives on its val split: round r validates the model of "
-              "round r-1.", ""]
+              "round r-1.", "", f"What it is scored on: {val.get('labels', 'not recorded')}.", ""]
     how = sorted({r["pooled_how"] for r in val.get("rounds", [])})
     lines += _table(["round", "model validated", *sites, "pooled (" + ", ".join(how) + ")"],
                     [[r["round"], r["model"], *(r["sites"].get(s) for s in sites), r["pooled"]]
