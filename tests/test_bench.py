@@ -657,3 +657,5 @@ def test_tables_give_the_sample_std_and_the_gap_share_of_the_means():
     assert "mean ± sample std (ddof 1) over seeds" in md
     # gap of the means: (0.66 - 0.61) / (0.70 - 0.61) = 55.6 %; std of (0.64, 0.68) = 0.02 * sqrt(2) = 0.028
     assert "| fedia | 0.660 ± 0.028 | 0.660 ± 0.028 | 56% | 56% |" in md
+    seeds = bench_report.per_seed_table("fedia-dsb-m2", rows, ["dice"])
+    assert "| job | dice seed 0 | dice seed 1 |" in seeds and "| fedia | 0.640 | 0.680 |" in seeds

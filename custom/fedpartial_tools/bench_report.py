@@ -106,8 +106,32 @@ def gap_of_means(job_rows: List[dict], lower_rows: List[dict], upper_rows: List[
 
 
 def markdown_table(rows: List[dict]) -> str:
-    """Tables of every suite in ``rows`` (results.md)."""
-    return "\n".join(suite_table(name, rows) for name in suites_of(rows)) + "\n"
+    """Tables of every suite in ``rows`` (results.md): mean ± std, then the per-seed values."""
+    return "\n".join(suite_table(name, rows) + "\n\n" + per_seed_table(name, rows) for name in suites_of(rows)) + "\n"
+
+
+def per_seed_table(name: str, rows: List[dict], keys: Optional[Sequence[str]] = None) -> str:
+    """Markdown: each job's value of ``keys`` (default the suite's first two metrics) per seed.
+
+    Args:
+        name: the suite.
+        rows: result rows.
+        keys: metrics to show.
+    """
+    suite = SUITES[name]
+    sub = [r for r in rows if r["suite"] == name]
+    seeds = sorted({int(r["seed"]) for r in sub})
+    keys = list(keys or suite.metrics[:2])
+    head = ["job"] + [f"{k} seed {s}" for k in keys for s in seeds]
+    lines = [f"Per seed ({', '.join(keys)}):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for job in dict.fromkeys([*suite.jobs, *(r["method"] for r in sub)]):
+        by_seed = {int(r["seed"]): r for r in sub if r["method"] == job}
+        if not by_seed:
+            continue
+        cells = [job] + [(f"{_value(by_seed[s], k):.3f}" if s in by_seed and np.isfinite(_value(by_seed[s], k))
+                          else "–") for k in keys for s in seeds]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def suite_table(name: str, rows: List[dict]) -> str:
