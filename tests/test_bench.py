@@ -202,7 +202,7 @@ def test_user_command_line_offers_no_developer_command():
     def commands(parser):
         return set(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices)
 
-    developer_only = {"bench", "bench-report", "throughput", "jobs"}
+    developer_only = {"bench", "bench-report", "throughput", "jobs", "harmonise"}
     assert commands(build_parser(developer=True)) - commands(user) == developer_only
     assert {"import", "split", "simulate", "evaluate", "package-job"} <= commands(user)
     assert user.parse_args(["simulate", "jobs/fedavg", "--data-root", "d", "--workspace", "w"]).command == "simulate"

@@ -259,6 +259,12 @@ def test_incomplete_masks_keep_whole_components():
         assert val.sum() == 9 * kept and [ndimage.label(m)[1] for m in val] == [kept]
         assert refs[k].splits["train"].labels.max() == 1 and refs[k].splits["val"].labels.sum() == 36
     assert summary["totals"]["lesions_kept"] == 14 and summary["totals"]["lesions_total"] == 24
+    # the input agreement a source was brought to is recorded in every site file made from it
+    agreed = _squares()
+    agreed.info = {"input_agreement": {"spacing_mm": [1.0, 1.0]}}
+    made, _, _ = partition(agreed, "incomplete-masks", sites=3, seed=0, completeness=[25, 50, 100])
+    assert all(s.info["input_agreement"] == {"spacing_mm": [1.0, 1.0]} for s in made)
+    assert "input_agreement" not in sites[0].info
     # curated val masks (complete) leave the train masks as they are: the val lesions draw from their own stream
     curated, _, _ = partition(_squares(), "incomplete-masks", sites=3, seed=0, completeness=[25, 50, 100],
                               curated_val=["all"])

@@ -2,7 +2,7 @@
 synthetic}`` are the user's commands (``import {dicom,images,nifti}``: a site's own data + label CSV -> site
 file; ``predict {dicom,images,nifti}``: a model on a site's own images; ``export``: a model as TorchScript or
 a MONAI bundle); ``python -m fedpartial_tools`` adds the developer's: ``bench``, ``bench-report``,
-``throughput`` and ``jobs``."""
+``throughput``, ``jobs`` and ``harmonise`` (a slice ``.npz`` brought to the input agreement)."""
 from __future__ import annotations
 
 import argparse
@@ -301,12 +301,14 @@ def build_parser(developer: bool = False) -> argparse.ArgumentParser:
     add_export_parser(sub)
     if developer:
         from fedpartial_tools.bench import add_bench_parser
+        from fedpartial_tools.harmonise import add_harmonise_parser
         from fedpartial_tools.recipes import add_jobs_parser
         from fedpartial_tools.throughput import add_throughput_parser
 
         add_bench_parser(sub)
         add_throughput_parser(sub)
         add_jobs_parser(sub)
+        add_harmonise_parser(sub)
     return p
 
 

@@ -7,7 +7,9 @@ part of the classes. No val split is made unless the CSV has ``split`` values ``
 ``--val-fraction`` is given: the executor runs without one (it then reports no validation
 metrics), and a val split carved from partially annotated data would score unannotated
 entries as negatives. The task (single- or multi-label) is inferred from the CSV unless ``--task``
-gives it; the summary says which and why.
+gives it; the summary says which and why. ``import nifti --agreement FILE.json`` brings every
+volume and its mask to the federation's input agreement (:mod:`fedpartial.data.grid`) before
+slicing and records it in the site file.
 """
 from __future__ import annotations
 
@@ -181,9 +183,16 @@ def _cmd_import(args):
             source = {"images": args.images, "masks": args.masks}
         else:
             raise DataError("import nifti needs --pairs CSV, or --images and --masks")
-        data = load_nifti_pairs(images, masks, axis=args.axis, size=args.size,
-                                keep_empty_slices=args.keep_empty_slices, splits=splits, patient_ids=names)
-        data.info.update(kind="nifti", axis=args.axis, keep_empty_slices=args.keep_empty_slices,
+        agreement = None
+        if args.agreement:
+            from fedpartial.data.grid import load_agreement
+
+            agreement = load_agreement(args.agreement)
+            source["agreement_file"] = os.path.abspath(args.agreement)
+        axis = args.axis if args.axis is not None else agreement.slice_axis if agreement else 2
+        data = load_nifti_pairs(images, masks, axis=axis, size=args.size, keep_empty_slices=args.keep_empty_slices,
+                                splits=splits, patient_ids=names, agreement=agreement)
+        data.info.update(kind="nifti", axis=axis, keep_empty_slices=args.keep_empty_slices,
                          volumes=len(images), **source)
     write_imported(data, args)
 
@@ -239,7 +248,12 @@ def add_import_parser(subparsers) -> None:
     p.add_argument("--masks", default=None, help="folder or glob of the masks (named like their image, "
                                                  "optionally ending in _mask / _seg / _label ...)")
     p.add_argument("--pairs", default=None, help="CSV with columns image,mask[,split] instead of --images/--masks")
-    p.add_argument("--axis", type=int, default=2, choices=[0, 1, 2], help="slicing axis")
+    p.add_argument("--axis", type=int, default=None, choices=[0, 1, 2],
+                   help="slicing axis (default 2; with --agreement, its slice_axis)")
+    p.add_argument("--agreement", default=None, metavar="FILE.json",
+                   help="the federation's input agreement (e.g. provisioning/input_agreement.json): each volume and "
+                        "its mask are brought to its orientation, spacing, slice size and intensity scale before "
+                        "slicing, and the site file records it (info['input_agreement']); not with --size")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--keep-empty-slices", dest="keep_empty_slices", action="store_true", default=True,
                    help="keep slices without lesions (default)")

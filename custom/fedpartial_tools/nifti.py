@@ -13,6 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from fedpartial.data.grid import AGREEMENT_KEY, InputAgreement, to_agreed_grid
 from fedpartial.data.types import SEGMENTATION, DataError, Dataset, Split
 from fedpartial_tools.images import check_finite, read_csv_table
 
@@ -161,22 +162,30 @@ def read_pairs_csv(pairs_csv: str) -> Tuple[List[str], List[str], List[str], Lis
 
 def load_nifti_pairs(image_paths: Sequence[str], mask_paths: Sequence[str], axis: int = 2,
                      size: Optional[Sequence[int]] = None, keep_empty_slices: bool = True,
-                     splits: Optional[Sequence[str]] = None, patient_ids: Optional[Sequence[str]] = None) -> Dataset:
+                     splits: Optional[Sequence[str]] = None, patient_ids: Optional[Sequence[str]] = None,
+                     agreement: Optional[InputAgreement] = None) -> Dataset:
     """Slice NIfTI volumes and their masks into a 2D segmentation dataset.
 
     Args:
         image_paths: one volume per patient.
         mask_paths: the matching lesion masks (> 0 = lesion).
-        axis: slicing axis.
-        size: resize slices to (H, W) (bilinear images, nearest masks).
+        axis: slicing axis (of the stored array; with ``agreement``, of the agreed orientation,
+            and it must be the agreement's ``slice_axis``).
+        size: resize slices to (H, W) (bilinear images, nearest masks); not with ``agreement``,
+            which sets the size.
         keep_empty_slices: keep slices without lesions.
         splits: per volume, the split it belongs to (default: all ``train``).
         patient_ids: per volume, a name used in the slice ids (``name:slice``) and as the group;
             default the volume's index.
+        agreement: the federation's input agreement (:mod:`fedpartial.data.grid`): each volume
+            and its mask are brought to the agreed orientation, spacing, size and intensity scale
+            before slicing, and ``info["input_agreement"]`` records it. None: slices at the stored
+            grid, intensities by the volume's 0.5 / 99.5 percentiles.
 
     Raises:
         DataError: naming both files when an image and its mask differ in shape or affine, or
-            the file that is unreadable or holds NaN / Inf voxels.
+            the file that is unreadable or holds NaN / Inf voxels; ``size`` or another ``axis``
+            given with an agreement.
     """
     image_paths, mask_paths = [str(p) for p in image_paths], [str(p) for p in mask_paths]
     if len(image_paths) != len(mask_paths):
@@ -192,6 +201,13 @@ def load_nifti_pairs(image_paths: Sequence[str], mask_paths: Sequence[str], axis
         raise DataError(f"{len(names)} patient ids for {len(image_paths)} volumes")
     if size is not None and np.isscalar(size):
         size = (int(size), int(size))
+    if agreement is not None:
+        if size:
+            raise DataError(f"size {tuple(size)} and an input agreement both set the slice size; the agreement's is "
+                            f"{list(agreement.size)}: leave size out")
+        if axis % 3 != agreement.slice_axis:
+            raise DataError(f"slicing axis {axis} differs from the input agreement's slice_axis "
+                            f"{agreement.slice_axis} (an axis of its orientation {agreement.orientation})")
     parts: Dict[str, Dict[str, list]] = {}
     for patient, (img_path, mask_path, split) in enumerate(zip(image_paths, mask_paths, splits)):
         (image, image_affine), (mask, mask_affine) = _load_volume(img_path), _load_volume(mask_path)
@@ -206,8 +222,11 @@ def load_nifti_pairs(image_paths: Sequence[str], mask_paths: Sequence[str], axis
         if image.ndim != 3 or not -3 <= axis < 3:
             raise DataError(f"image '{img_path}' has shape {image.shape}; expected a 3D volume sliced along axis "
                             f"0, 1 or 2 (got axis={axis})")
-        image = np.moveaxis(_to_uint8(image), axis, 0)
-        mask = np.moveaxis((mask > 0).astype(np.uint8), axis, 0)
+        if agreement is not None:
+            image, mask, _ = to_agreed_grid(image, image_affine, agreement, mask, where=f"NIfTI file '{img_path}'")
+        else:
+            image = np.moveaxis(_to_uint8(image), axis, 0)
+            mask = np.moveaxis((mask > 0).astype(np.uint8), axis, 0)
         if size and tuple(image.shape[1:3]) != tuple(size):  # per volume, so volumes of any size mix
             from fedpartial.data.transforms import resize_dataset
 
@@ -230,4 +249,5 @@ def load_nifti_pairs(image_paths: Sequence[str], mask_paths: Sequence[str], axis
         out[name] = Split(images, masks, None, np.array(e["ids"]), np.array(e["groups"]))
     if not out:
         raise DataError(f"no slices in {image_paths} (check 'splits' and keep_empty_slices)")
-    return Dataset(SEGMENTATION, ["lesion"], out, source=",".join(image_paths))
+    info = {} if agreement is None else {AGREEMENT_KEY: agreement.to_dict()}
+    return Dataset(SEGMENTATION, ["lesion"], out, source=",".join(image_paths), info=info)

@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from fedpartial.data.grid import AGREEMENT_KEY
 from fedpartial.data.types import SEGMENTATION, DataError, Dataset, Split
 
 SCENARIOS = ("label-set-mismatch", "missing-classes", "semi-supervised", "incomplete-masks")
@@ -219,6 +220,8 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
             va, tr = tr.subset(np.sort(order[:n_val])), tr.subset(np.sort(order[n_val:]))
         val_labels = "curated" if name in curated else "site"
         info = {"scenario": scenario, "seed": seed, "source": os.path.basename(dataset.source), "val_labels": val_labels}
+        if AGREEMENT_KEY in (dataset.info or {}):  # the input grid the source was brought to travels with its sites
+            info[AGREEMENT_KEY] = dataset.info[AGREEMENT_KEY]
         entry = {"n_train": len(tr), "n_val": len(va), "val_labels": val_labels}
         if segmentation:
             binary = lambda s: Split(s.images, (s.labels > 0).astype(np.uint8), None, s.ids, s.groups)  # noqa: E731

@@ -5,9 +5,13 @@ The inputs are those ``import`` reads (:mod:`fedpartial_tools.dicom`, :mod:`fedp
 :mod:`fedpartial_tools.nifti`, whose readers are used here): a DICOM folder, a PNG / JPEG folder, or
 NIfTI volumes sliced along ``--axis``. Every image is resized to the model's ``input_size`` as at
 training (``fedpartial.data.transforms.resize_images``; none when the model has no input size) and
-normalised with the model's ``normalisation``. An image the model cannot serve (an RGB image for a
-grey model or the reverse, an unreadable file, a DICOM of another modality) is reported as a
-one-line error naming the file; the other images are still predicted.
+normalised with the model's ``normalisation``. A model that records an input agreement
+(``meta["input_agreement"]``, :mod:`fedpartial.data.grid`) has each NIfTI volume brought to the
+agreed orientation, spacing, size and intensity scale before slicing, as ``import nifti
+--agreement`` did at the sites, and its mask resampled back onto the volume's own grid. An image
+the model cannot serve (an RGB image for a grey model or the reverse, an unreadable file, a DICOM
+of another modality) is reported as a one-line error naming the file; the other images are still
+predicted.
 
 Classification writes ``predictions.csv``: one row per image, DICOM frame or NIfTI slice with the
 probability and the decision of every class (:func:`decision_thresholds`). Segmentation writes the
@@ -159,6 +163,9 @@ class Case:
         voxel_mm3: the volume of one voxel in mm³ where the file says it, else None.
         frame_ids: per image, its frame / slice index ("" for a single image).
         affine, shape, axis, header: NIfTI only: the source grid the mask is written back on.
+        grid: NIfTI with the model's input agreement: the volume's
+            :class:`fedpartial.data.grid.AgreedGrid`, to put the slices' probabilities back on
+            the source grid; None when the slices are the stored array's.
         results: per image, its prediction, filled batch by batch.
     """
 
@@ -173,6 +180,7 @@ class Case:
     shape: Optional[Tuple[int, ...]] = None
     axis: int = 2
     header: object = None
+    grid: object = None
     results: list = field(default_factory=list)
 
     def __post_init__(self):
@@ -293,18 +301,34 @@ def image_cases(folder: str, list_csv: Optional[str] = None) -> Iterator[Input]:
         yield Case(path, os.path.relpath(path, folder), image[None], "images", patient)
 
 
-def nifti_cases(images: str, axis: int = 2) -> Iterator[Input]:
-    """The NIfTI volumes of a folder or glob, sliced along ``axis`` with ``import nifti``'s
-    intensity scaling (0.5 / 99.5 percentiles per volume).
+def nifti_cases(images: str, axis: Optional[int] = None, agreement=None) -> Iterator[Input]:
+    """The NIfTI volumes of a folder or glob, sliced as ``import nifti`` slices them.
+
+    Args:
+        images: folder or glob of the volumes.
+        axis: slicing axis (default 2; with ``agreement`` its ``slice_axis``, and no other).
+        agreement: the model's input agreement (its meta's ``input_agreement``, a dict or a
+            :class:`fedpartial.data.grid.InputAgreement`): each volume is brought to the agreed
+            grid before slicing, and its case keeps the grid so its mask goes back to the source
+            grid. None: the stored array's slices with the 0.5 / 99.5 percentile scaling.
 
     Yields:
         a :class:`Case` per volume (with its affine, shape and header), or an
         :class:`InputError` for an unreadable file or one that is not a 3D volume.
+
+    Raises:
+        DataError: an ``axis`` other than the agreement's slice axis.
     """
     import nibabel as nib
 
+    from fedpartial.data.grid import agreement_from, to_agreed_grid
     from fedpartial_tools.nifti import _load_volume, _squeeze, _stem, _to_uint8, nifti_files
 
+    agreement = agreement_from(agreement, "the model's input_agreement")
+    if agreement is not None and axis is not None and axis % 3 != agreement.slice_axis:
+        raise DataError(f"--axis {axis} differs from the model's input agreement, which slices along axis "
+                        f"{agreement.slice_axis} of {agreement.orientation}; leave --axis out")
+    axis = (agreement.slice_axis if agreement is not None else 2) if axis is None else axis
     for path in nifti_files(images):
         try:
             voxels, affine = _load_volume(path)
@@ -316,9 +340,17 @@ def nifti_cases(images: str, axis: int = 2) -> Iterator[Input]:
         if volume.ndim != 3:
             yield InputError(f"NIfTI file '{path}' has shape {tuple(voxels.shape)}; expected a 3D volume")
             continue
-        slices = np.moveaxis(_to_uint8(volume), axis, 0)
+        grid = None
+        if agreement is not None:
+            try:
+                slices, _, grid = to_agreed_grid(volume, affine, agreement, where=f"NIfTI file '{path}'")
+            except DataError as e:
+                yield InputError(str(e))
+                continue
+        else:
+            slices = np.moveaxis(_to_uint8(volume), axis, 0)
         yield Case(path, os.path.basename(path), slices, "nifti", _stem(path), voxel_volume(affine),
-                   [str(i) for i in range(len(slices))], affine, tuple(header.get_data_shape()), axis, header)
+                   [str(i) for i in range(len(slices))], affine, tuple(header.get_data_shape()), axis, header, grid)
 
 
 def servable(case: Case, in_channels: int) -> Optional[str]:
@@ -420,7 +452,14 @@ class _Writer:
         self.handle.flush()
 
     def _write_mask(self, case: Case) -> None:
-        masks = np.stack(case.results) > float(self.thresholds[0])  # the evaluate rule: probability > threshold
+        if case.grid is not None:
+            from fedpartial.data.grid import back_to_source
+
+            # probabilities, not masks, go back through the resampling (as the upsampling of _forward)
+            source = back_to_source(np.stack(case.results), case.grid)
+            masks = np.moveaxis(source, case.axis, 0) > float(self.thresholds[0])
+        else:
+            masks = np.stack(case.results) > float(self.thresholds[0])  # the evaluate rule: probability > threshold
         stem = case.name
         for suffix in (".nii.gz", ".nii", ".dcm", ".png", ".jpg", ".jpeg"):
             if stem.lower().endswith(suffix):
@@ -550,7 +589,10 @@ def _cmd_predict(args) -> None:
     elif args.kind == "images":
         inputs = image_cases(args.folder, args.files)
     else:
-        inputs = nifti_cases(args.images, args.axis)
+        inputs = nifti_cases(args.images, args.axis, meta.get("input_agreement"))
+    if args.kind != "nifti" and meta.get("input_agreement"):
+        say("note: the model records an input agreement (orientation, spacing, intensity of NIfTI volumes); "
+            f"{args.kind} inputs are only resized to its input_size")
     result = predict_inputs(model, meta, inputs, args.out, device, args.batch_size, args.threshold,
                             progress=say, on_error=lambda line: say(f"error: {line}"))
     if not result["images"]:
@@ -605,4 +647,6 @@ def add_predict_parser(subparsers) -> None:
     p = kinds.add_parser("nifti", help="NIfTI volumes, sliced as at import; segmentation masks come back as NIfTI")
     common(p)
     p.add_argument("--images", required=True, help="folder or glob of the volumes")
-    p.add_argument("--axis", type=int, default=2, choices=[0, 1, 2], help="slicing axis (as given to import)")
+    p.add_argument("--axis", type=int, default=None, choices=[0, 1, 2],
+                   help="slicing axis (as given to import; default 2, or the slice_axis of the model's input "
+                        "agreement, which is then applied to each volume and undone for its mask)")

@@ -3,12 +3,14 @@ and ``../shared/data``), the segmentation layout, and this project's site files 
 :mod:`fedpartial.data.sitefile`)."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-from fedpartial.data.arrays import atomic_savez, check_images, open_npz, plain_array
+from fedpartial.data.arrays import atomic_savez, check_images, info_json, open_npz, plain_array
+from fedpartial.data.grid import AGREEMENT_KEY
 from fedpartial.data.sitefile import dataset_from_site_arrays
 from fedpartial.data.types import MULTI_LABEL, SEGMENTATION, SINGLE_LABEL, DataError, Dataset, Split
 
@@ -17,6 +19,10 @@ SPLITS = ("train", "val", "test")
 _FLIPPED_SOURCES = ("covid_semiseg",)
 # Written by save_npz once slices are upright, so a re-saved COVID file is not flipped twice.
 UPRIGHT_KEY = "slices_upright"
+# Optional JSON facts of a source file (e.g. its input agreement), read into Dataset.info.
+INFO_KEY = "info_json"
+# The facts save_npz carries over: what was done to the images, not where they went.
+_KEPT_INFO = (AGREEMENT_KEY,)
 
 
 def _names(arrays, key: str, count: Optional[int], path: str):
@@ -71,6 +77,9 @@ def load_npz(path: str, require_train: bool = True, default_class_names: Optiona
             test-only file may lack a class, so counting the classes from its labels would
             undercount. ``info["class_names_from"]`` then says ``"given"``; names counted from
             the labels (``class_0``...) say ``"labels"``.
+
+    A source file's optional ``info_json`` (a JSON object, e.g. the input agreement ``harmonise``
+    brought it to) is read into ``info``; :func:`save_npz` writes its ``input_agreement`` back.
 
     Raises:
         DataError: naming the file and key for unreadable files, missing keys, wrong shapes,
@@ -140,6 +149,14 @@ def load_npz(path: str, require_train: bool = True, default_class_names: Optiona
     if require_train and len(splits.get("train", [])) == 0:
         raise DataError(f"'{path}': the train split is empty")
     info = {"slices_flipped": True} if flip else {}
+    if INFO_KEY in arrays:  # e.g. the input agreement a harmonised file was brought to
+        try:
+            recorded = json.loads(str(arrays[INFO_KEY]))
+        except json.JSONDecodeError as e:
+            raise DataError(f"'{path}': '{INFO_KEY}' is not JSON ({e})") from e
+        if not isinstance(recorded, dict):
+            raise DataError(f"'{path}': '{INFO_KEY}' holds {type(recorded).__name__}, not a JSON object")
+        info.update(recorded)
     if names_from:
         info["class_names_from"] = names_from
     return Dataset(task, list(class_names), splits, source=path, info=info)
@@ -198,6 +215,9 @@ def save_npz(dataset: Dataset, path: str) -> None:
             arrays[f"{name}_image_ids"] = plain_array(split.ids)
         if split.groups is not None:
             arrays[f"{name}_patient_ids"] = plain_array(split.groups)
+    kept = {k: dataset.info[k] for k in _KEPT_INFO if k in (dataset.info or {})}
+    if kept:
+        arrays[INFO_KEY] = info_json(kept)
     if dataset.is_segmentation:
         arrays["class_names"] = np.array(["background", *dataset.class_names])
         arrays[UPRIGHT_KEY] = np.array(1)  # slices in memory are upright (flipped on load if they were not)

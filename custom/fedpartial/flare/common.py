@@ -10,6 +10,8 @@ from typing import Any, Dict
 
 import numpy as np
 
+from fedpartial.data.grid import AGREEMENT_KEY
+
 # Keys of DXO meta used on the wire (see docs/ARCHITECTURE.md).
 GLOBAL_STATS = "global_stats"
 SITE_STATS = "site_stats"
@@ -116,8 +118,12 @@ def model_settings(model: Dict[str, Any]) -> Dict[str, Any]:
     ({mean, std}), ``pretrained`` (server only: a local weights file whose body starts the
     round-0 global model, see ``fedpartial.models.pretrained``; "" = none, the default; the
     persistor expands ``~`` and looks a relative path up in the job's app folder, then the
-    server's workspace root).
+    server's workspace root), ``input_agreement`` (optional: the federation's input agreement,
+    :class:`fedpartial.data.grid.InputAgreement` as JSON; sites refuse a data file that records
+    another, the model file records it and ``predict nifti`` applies it; ``input_size`` must then
+    be [0, 0] or the agreement's ``size``).
     """
+    from fedpartial.data.grid import agreement_from
     from fedpartial.data.types import SEGMENTATION, TASKS
 
     required = ("arch", "in_channels", "class_names", "task")
@@ -133,6 +139,14 @@ def model_settings(model: Dict[str, Any]) -> Dict[str, Any]:
     # --set parses JSON, so a file named "123" would arrive as a number: keep it a path.
     out["pretrained"] = "" if out.get("pretrained") in (None, "") else str(out["pretrained"])
     out["num_classes"] = 1 if model["task"] == SEGMENTATION else len(model["class_names"])
+    agreement = agreement_from(out.pop(AGREEMENT_KEY, None), f"job config model.{AGREEMENT_KEY}")
+    if agreement is not None:
+        size = [int(v) for v in out["input_size"]]
+        if any(size) and size != list(agreement.size):
+            raise ValueError(f"job config model.input_size {size} differs from model.{AGREEMENT_KEY}.size "
+                             f"{list(agreement.size)}: resizing the agreed slices would undo the agreed spacing; set "
+                             f"input_size to [0, 0] or {list(agreement.size)}")
+        out[AGREEMENT_KEY] = agreement.to_dict()
     return out
 
 
@@ -146,5 +160,7 @@ def model_file_meta(settings: Dict[str, Any], **extra) -> Dict[str, Any]:
     """The self-describing part of a saved model file (see fedpartial.models.io)."""
     meta = {"class_names": list(settings["class_names"]), "task": settings["task"],
             "input_size": list(settings["input_size"]), "normalisation": dict(settings["normalisation"])}
+    if settings.get(AGREEMENT_KEY) is not None:  # how predict must prepare a volume for this model
+        meta[AGREEMENT_KEY] = settings[AGREEMENT_KEY]
     meta.update(extra)
     return meta

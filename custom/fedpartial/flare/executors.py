@@ -99,6 +99,7 @@ def load_site_dataset(path: str, site: str, settings: dict, cache_dir: str = "",
     if channels != settings["in_channels"]:
         raise ValueError(f"site '{site}': images in '{path}' have {channels} channel(s), "
                          f"the job's model expects in_channels={settings['in_channels']}")
+    check_input_agreement(data, path, site, settings)
     size = tuple(settings.get("input_size") or (0, 0))
     if not any(size):
         return data
@@ -106,6 +107,36 @@ def load_site_dataset(path: str, site: str, settings: dict, cache_dir: str = "",
     if is_site_folder(path):
         return cached_resize(data, size, path, cache_dir=cache_dir or None)
     return resize_dataset(data, size)
+
+
+def check_input_agreement(data, path: str, site: str, settings: dict) -> None:
+    """Refuse a site file brought to another input agreement than the job's.
+
+    A file that records no agreement passes: files written by ``split`` carry none, and a job
+    without an agreement makes no promise about its input.
+
+    Args:
+        data: the loaded site file (``info["input_agreement"]`` as ``import --agreement`` records it).
+        path: the file, for the message.
+        site: this site's name.
+        settings: the job's model block (``model_settings``).
+
+    Raises:
+        ValueError: naming the site, the file and every field the two agreements set differently.
+    """
+    from fedpartial.data.grid import AGREEMENT_KEY, agreement_differences, agreement_from
+
+    job = agreement_from(settings.get(AGREEMENT_KEY), f"job config model.{AGREEMENT_KEY}")
+    recorded = (data.info or {}).get(AGREEMENT_KEY)
+    if job is None or recorded is None:
+        return
+    theirs = agreement_from(recorded, f"site '{site}': data file '{path}' info '{AGREEMENT_KEY}'")
+    differences = agreement_differences(theirs, job)
+    if differences:
+        listed = "; ".join(f"{k}: file {a!r}, job {b!r}" for k, a, b in differences)
+        raise ValueError(f"site '{site}': data file '{path}' was brought to another input agreement than the job's "
+                         f"model.{AGREEMENT_KEY} ({listed}); import the site's volumes again with the job's agreement "
+                         f"(python -m fedpartial import nifti --agreement FILE)")
 
 
 def has_val_labels(val, task: str) -> bool:

@@ -293,7 +293,7 @@ def build_card(run_dir: str, rule: Optional[str], rule_args: Optional[dict], mod
         "format": FORMAT, "job_id": job_id,
         "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": {k: model.get(k) for k in ("arch", "arch_args", "task", "class_names", "input_size",
-                                            "normalisation") if k in model},
+                                            "normalisation", "input_agreement") if k in model},
         "result_model": best_file if task == SEGMENTATION and best_file in files else global_file,
         "method": method,
         "training": {**training_section(rounds), "rounds_asked": num_rounds},
