@@ -2,7 +2,9 @@
 method against its FedAvg baselines on real data (suites: :mod:`fedpartial_tools.bench_suites`,
 running: :mod:`fedpartial_tools.bench_run`, reports: :mod:`fedpartial_tools.bench_report`).
 
-A *suite* names a dataset, a partition scenario, the method job and its baselines. For each seed
+A *suite* names a dataset, a partition scenario, the method job and its baselines; ``--suite-group``
+runs a group of suites (``bench_suites.SUITE_GROUPS``, e.g. ``ms6``: six MS patients held out in
+turn at two completeness settings). For each seed
 the bench makes the split (seeded), runs each job in the FLARE simulator with the same seed and
 rounds, evaluates the final global model on the source file's test split, and writes
 ``results.csv``, ``results.md`` (mean ± std and the share of the lower→upper gap closed) and
@@ -28,7 +30,7 @@ from fedpartial_tools.bench_report import (README_BEGIN, README_END, SELECTION_C
                                            plot_results, read_rows, seed_dirs, update_readme, write_overlays,
                                            write_pseudo_label_report, write_reports, write_selection)
 from fedpartial_tools.bench_run import run_suite, split_source
-from fedpartial_tools.bench_suites import DEFAULT_DATA, SUITES, is_segmentation
+from fedpartial_tools.bench_suites import DEFAULT_DATA, SUITE_GROUPS, SUITES, is_segmentation, suite_names
 
 
 def _cmd_bench(args):
@@ -37,7 +39,10 @@ def _cmd_bench(args):
     csv_path = os.path.join(args.out, SELECTION_CSV if selecting else "results.csv")
     if (args.append or selecting) and os.path.isfile(csv_path):
         rows = read_rows(csv_path)
-    for name in args.suite:
+    names = suite_names(args.suite or [], args.suite_group or [])
+    if not names:
+        raise ValueError("bench needs --suite NAME or --suite-group GROUP")
+    for name in names:
         seeds = [int(s) for s in args.seeds.split(",")]
         new = run_suite(name, args.out, seeds=seeds, profile=args.profile, data_dir=args.data_dir,
                         rounds=args.rounds, jobs=args.jobs.split(",") if args.jobs else None, extra=args.set,
@@ -61,7 +66,7 @@ def _cmd_bench_report(args):
     """Reports from an existing bench folder: nothing is trained or re-evaluated (overlays
     excepted: they run the saved models on a few test images)."""
     csv_path = os.path.join(args.out, "results.csv")
-    names = args.suite or list(dict.fromkeys(
+    names = suite_names(args.suite or [], args.suite_group or []) or list(dict.fromkeys(
         [r["suite"] for r in (read_rows(csv_path) if os.path.isfile(csv_path) else [])]
         + [n for n in SUITES if os.path.isdir(os.path.join(args.out, n))]))
     if not names:
@@ -108,8 +113,11 @@ def _add_report_arguments(s) -> None:
 
 def add_bench_parser(sub) -> None:
     s = sub.add_parser("bench", help="methods x baselines x seeds on real data -> results.csv, results.md, plots")
-    s.add_argument("--suite", action="append", required=True, choices=sorted(SUITES),
-                   help="comparison to run (repeatable)")
+    s.add_argument("--suite", action="append", default=None, choices=sorted(SUITES),
+                   help="comparison to run (repeatable; this or --suite-group is needed)")
+    s.add_argument("--suite-group", action="append", default=None, choices=sorted(SUITE_GROUPS),
+                   help="run every suite of a group (repeatable): " + "; ".join(
+                       f"{g}: {len(n)} suites {n[0]} ... {n[-1]}" for g, n in SUITE_GROUPS.items()))
     s.add_argument("--seeds", default="0,1,2")
     s.add_argument("--profile", choices=["cpu", "gpu"], default="cpu")
     s.add_argument("--rounds", type=int, default=None)
@@ -134,6 +142,8 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--out", required=True, help="the bench output folder")
     s.add_argument("--suite", action="append", default=None, choices=sorted(SUITES),
                    help="suite to report (repeatable; default those in results.csv or with a folder in OUT)")
+    s.add_argument("--suite-group", action="append", default=None, choices=sorted(SUITE_GROUPS),
+                   help="report every suite of a group (repeatable)")
     s.add_argument("--job", default=None, help="job whose pseudo labels to report (default the suite's method)")
     s.add_argument("--overlays", action="store_true",
                    help="segmentation suites: draw the overlays of every seed folder again (runs the saved models)")

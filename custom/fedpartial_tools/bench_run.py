@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from fedpartial_tools.bench_report import load_for_eval, write_overlays
-from fedpartial_tools.bench_suites import DEFAULT_DATA, SUITES, Suite, is_segmentation, matched_sets
+from fedpartial_tools.bench_suites import DEFAULT_DATA, REPO, SUITES, Suite, is_segmentation, matched_sets
 
 
 def _curve(metrics_file: str, key: str) -> List[float]:
@@ -99,7 +99,11 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
             if made_from and made_from != os.path.basename(source):
                 raise ValueError(f"'{split_dir}' was split from {made_from}, but the {profile} profile of suite "
                                  f"'{name}' runs on {os.path.basename(source)}: give another --out")
-        sets = dataset_overrides(split_dir) + list(suite.overrides.get(profile, [])) + [f"seed={seed}"]
+        if suite.rater2_sites and not (os.path.isfile(summary_path)
+                                       and "second_rater" in json.load(open(summary_path))):
+            use_second_rater(split_dir, source, suite.rater2_sites)
+        sets = (dataset_overrides(split_dir) + list(suite.overrides.get(profile, [])) + suite.agreement_sets()
+                + [f"seed={seed}"])
         if rounds:
             sets.append(f"num_rounds={rounds}")
         sets += list(extra)
@@ -171,6 +175,9 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
     model, meta, data = load_for_eval(ws, source_data, device)
     scored = data.splits[score_on]
     metrics = evaluate_split(model, scored, data.task, data.class_names, meta["normalisation"], device)
+    # a held-out patient of combined sources is scored on its own grid too (the test split only:
+    # the val slices are parts of patients)
+    native = native_scorer(source_data.info, scored, source) if score_on == "test" else None
     if data.task == "segmentation":
         from fedpartial.evaluation import predict_split
         from fedpartial.metrics import segmentation_metrics
@@ -178,6 +185,8 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
         probs = predict_split(model, scored, data.task, meta["normalisation"], device)
         # "dice" / "iou" of the DSB2018 tables: per-image means with an empty-both image scoring 1
         metrics.update(segmentation_metrics(probs > 0.5, np.asarray(scored.labels) > 0))
+        if native is not None:
+            metrics["dice_pooled_native"] = native(probs)
     row = {"suite": name, "method": job, "dataset": os.path.basename(source), "scenario": suite.scenario,
            "split_options": json.dumps(suite.split_options), "seed": seed,
            "rounds": len(json.load(open(os.path.join(ws, "metrics.json")))["rounds"]),
@@ -195,12 +204,49 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
         best, _ = load_model_file(os.path.join(ws, "best_global_model.pt"), device=device)
         for k, v in evaluate_split(best, scored, data.task, data.class_names, meta["normalisation"], device).items():
             metrics[f"{k}_best"] = v
+        if native is not None and data.task == "segmentation":
+            from fedpartial.evaluation import predict_split
+
+            metrics["dice_pooled_native_best"] = native(predict_split(best, scored, data.task, meta["normalisation"],
+                                                                      device))
     for k in suite.metrics:
         row[k] = float(metrics.get(k, float("nan")))
     per_class = metrics.get("per_class") or {}
     row["per_class_auc"] = json.dumps({c: v.get("auc") for c, v in per_class.items()})
     row["curve"] = json.dumps(_curve(os.path.join(ws, "metrics.json"), suite.metrics[0]))
     return row
+
+
+def native_scorer(info: dict, scored, where: str):
+    """A function of the scored split's lesion probabilities giving the pooled Dice on the held-out
+    patient's native grid (:func:`fedpartial_tools.harmonise.dice_pooled_native`), for a file of
+    :func:`fedpartial_tools.harmonise.hold_out_patient`; None for any other file.
+
+    Args:
+        info: the scored file's info (``native`` and ``input_agreement``).
+        scored: its test split (row ids = patient id * ROW_ID_BASE + slice id, slice-id order).
+        where: the scored file, for messages.
+
+    Raises:
+        DataError: naming the files when the split's rows are not the native file's slices of the
+            patient, in slice-id order.
+    """
+    from fedpartial.data.grid import AGREEMENT_KEY, InputAgreement
+    from fedpartial.data.types import DataError
+    from fedpartial_tools.harmonise import NATIVE_KEY, ROW_ID_BASE, dice_pooled_native, native_patient
+
+    native = (info or {}).get(NATIVE_KEY)
+    if not native:
+        return None
+    agreement = InputAgreement.from_dict(info.get(AGREEMENT_KEY), f"'{where}' info_json '{AGREEMENT_KEY}'")
+    images, masks, slice_ids = native_patient(native["path"], native["patient"])
+    expected = (int(native["patient"]) * ROW_ID_BASE + slice_ids).tolist()
+    got = [] if scored.ids is None else [int(i) for i in np.asarray(scored.ids).tolist()]
+    if got != expected:
+        raise DataError(f"'{where}': the test rows (test_image_ids) are not the slices of patient {native['patient']} "
+                        f"of '{native['path']}' in slice-id order; the native scores need them one for one")
+    return lambda probs: dice_pooled_native(probs, images, masks, native["spacing_mm"], native["orientation"],
+                                            agreement)
 
 
 def split_source(out_dir: str, name: str, seed: int, data_dir: str) -> str:
@@ -243,8 +289,11 @@ def leave_patient_out(source: str, patient: int, out: str) -> str:
 def suite_source(suite: "Suite", profile: str, data_dir: str, out_dir: str) -> str:
     """The source file a suite runs on: in ``data_dir``, or (a suite with a ``generator``) made
     once into ``<out_dir>/_data``; a suite with ``holdout_patient`` runs on a leave-one-patient-out
-    copy in ``<out_dir>/_data``."""
+    copy in ``<out_dir>/_data``; a suite with ``combine`` on its sources combined there
+    (:func:`combined_source`)."""
     name = suite.dataset_for(profile)
+    if suite.combine:
+        return combined_source(suite, name, data_dir, out_dir)
     source = os.path.join(data_dir, name)
     if os.path.isfile(source) and suite.holdout_patient is not None:
         made = os.path.join(out_dir, "_data", f"{os.path.splitext(name)[0]}_holdout{suite.holdout_patient}.npz")
@@ -264,3 +313,114 @@ def suite_source(suite: "Suite", profile: str, data_dir: str, out_dir: str) -> s
         os.makedirs(os.path.dirname(made), exist_ok=True)
         save_npz(getattr(synthetic, suite.generator)(seed=0), made)
     return made
+
+
+def combined_source(suite: "Suite", name: str, data_dir: str, out_dir: str) -> str:
+    """The file a suite with ``combine`` runs on, each made once into ``<out_dir>/_data``: its
+    sources (in ``data_dir``) brought to the suite's agreement and combined as ``name``
+    (:func:`fedpartial_tools.harmonise.combine_npz`), then, with ``holdout_patient``, the
+    held-out copy ``<stem>_holdout<P>_val<percent>.npz``
+    (:func:`fedpartial_tools.harmonise.hold_out_patient`).
+
+    Args:
+        suite: the suite.
+        name: the combined file's name.
+        data_dir: folder of the sources.
+        out_dir: the bench's output folder.
+
+    Raises:
+        FileNotFoundError: naming a missing source.
+        ValueError: when a file made earlier records another agreement than the suite's.
+    """
+    from fedpartial.data.grid import AGREEMENT_KEY, InputAgreement, agreement_differences, load_agreement
+    from fedpartial.data.npz import INFO_KEY
+    from fedpartial_tools.harmonise import combine_npz, hold_out_patient
+
+    agreement = load_agreement(os.path.join(REPO, suite.agreement))
+    combined = os.path.join(out_dir, "_data", name)
+    if not os.path.isfile(combined):
+        for source in suite.combine:
+            if not os.path.isfile(source.path(data_dir)):
+                raise FileNotFoundError(f"suite needs '{source.path(data_dir)}' (see ../shared/data/README.md)")
+        os.makedirs(os.path.dirname(combined), exist_ok=True)
+        combine_npz(suite.combine, agreement, combined, data_dir)
+    made = combined
+    if suite.holdout_patient is not None:
+        stem = os.path.splitext(name)[0]
+        made = os.path.join(out_dir, "_data", f"{stem}_holdout{suite.holdout_patient}_val"
+                                              f"{round(100 * suite.val_fraction)}.npz")
+        if not os.path.isfile(made):
+            hold_out_patient(combined, suite.holdout_patient, made, val_fraction=suite.val_fraction)
+    with np.load(made, allow_pickle=False) as z:  # only the small info array is read
+        recorded = json.loads(str(z[INFO_KEY])).get(AGREEMENT_KEY) if INFO_KEY in z.files else None
+    differences = [] if recorded is None else agreement_differences(
+        InputAgreement.from_dict(recorded, f"'{made}' info_json '{AGREEMENT_KEY}'"), agreement)
+    if recorded is None or differences:
+        raise ValueError(f"'{made}' was made with another input agreement than the suite's '{suite.agreement}' "
+                         f"({differences or 'it records none'}): give another --out")
+    return made
+
+
+def use_second_rater(split_dir: str, source: str, sites: Sequence[str]) -> dict:
+    """Rewrite the site files of ``sites`` so that each of their train and val slices with a second
+    rater's mask in ``source`` (``*_masks_rater2`` where ``*_has_rater2``) carries that mask;
+    their reference copies (``reference/<site>_full.npz``) keep the first rater's. Rows are matched
+    by id. Records ``second_rater`` in ``split_summary.json``; running it again changes nothing.
+
+    Args:
+        split_dir: a split of ``source`` (site files ``<site>.npz``).
+        source: the file the split was made from (:func:`fedpartial_tools.harmonise.hold_out_patient`).
+        sites: site names, e.g. ``("site-1", "site-2")``.
+
+    Returns:
+        ``{site: {"train": slices given rater 2's mask, "val": ...}}``.
+
+    Raises:
+        DataError: naming the file, site and key of a missing site file, source array or row ids,
+            or a site that drops lesions (its masks would be replaced whole).
+    """
+    from fedpartial.data.arrays import open_npz
+    from fedpartial.data.npz import load_npz
+    from fedpartial.data.sitefile import write_site_file
+    from fedpartial.data.types import DataError, Dataset, Split
+    from fedpartial_tools.harmonise import HAS_RATER2_KEY, RATER2_KEY
+
+    arrays = open_npz(source)
+    second = {}
+    for split in ("train", "val"):
+        keys = (f"{split}_image_ids", f"{split}_{RATER2_KEY}", f"{split}_{HAS_RATER2_KEY}")
+        if f"{split}_images" not in arrays:
+            continue
+        for key in keys:
+            if key not in arrays:
+                raise DataError(f"'{source}' lacks '{key}': no second rater's masks to give the sites")
+        ids, masks, has = (arrays[k] for k in keys)
+        second.update({int(i): m for i, m, h in zip(ids.tolist(), masks, has) if h})
+    done = {}
+    for site in sites:
+        path = os.path.join(split_dir, f"{site}.npz")
+        if not os.path.isfile(path):
+            raise DataError(f"site '{site}': no site file '{path}' in the split")
+        data = load_npz(path)
+        if float(data.info.get("completeness", 1.0)) < 1.0:
+            raise DataError(f"site '{site}' ('{path}') keeps {data.info['completeness']:.0%} of its lesions; the "
+                            f"second rater's masks would replace its masks whole (give it completeness 1)")
+        splits, counts = {}, {}
+        for split_name, split in data.splits.items():
+            if split.ids is None:
+                raise DataError(f"site '{site}': '{path}' has no '{split_name}_ids' to match rows of '{source}'")
+            labels = np.array(split.labels, copy=True)
+            rows = [i for i, row_id in enumerate(np.asarray(split.ids).tolist()) if int(row_id) in second]
+            for i in rows:
+                labels[i] = (second[int(split.ids[i])] > 0).astype(labels.dtype)
+            splits[split_name] = Split(split.images, labels, split.label_mask, split.ids, split.groups)
+            counts[split_name] = len(rows)
+        info = dict(data.info, masks="second rater's where the source has one", second_rater_slices=counts)
+        write_site_file(path, Dataset(data.task, data.class_names, splits, data.source, data.site, info))
+        done[site] = counts
+    summary_path = os.path.join(split_dir, "split_summary.json")
+    summary = json.load(open(summary_path)) if os.path.isfile(summary_path) else {}
+    summary["second_rater"] = done
+    with open(summary_path, "w") as f:
+        json.dump(summary, f, indent=1)
+    return done

@@ -6,11 +6,13 @@ its method (same model, local recipe and rounds).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from fedpartial_tools import jobtools
+from fedpartial_tools.harmonise import StatedSource
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,6 +53,19 @@ class Suite:
     # leave-one-patient-out: this patient id of the dataset's train split is the test split, the
     # other patients' slices are shared out among the sites (made once into <out>/_data)
     holdout_patient: Optional[int] = None
+    # sliced sources brought to ``agreement`` and combined into ``dataset``, made once into
+    # <out>/_data (fedpartial_tools.harmonise.combine_npz); with holdout_patient, that patient's
+    # slices are the test split (harmonise.hold_out_patient)
+    combine: Tuple[StatedSource, ...] = ()
+    # the input agreement (a JSON file, relative to the repository) the sources are brought to;
+    # every job gets it as model.input_agreement (server and client) and its size as model.input_size
+    agreement: str = ""
+    # combined sources with holdout_patient: share of each training patient's slices that becomes
+    # the val split (seeded per patient, never the held-out patient; 0 = no val split)
+    val_fraction: float = 0.0
+    # sites whose slices with a second rater's mask (``*_masks_rater2``) train and validate on it
+    # instead of the first rater's; their reference copies keep the first rater's
+    rater2_sites: Tuple[str, ...] = ()
 
     def dataset_for(self, profile: str) -> str:
         """The data file the ``profile`` runs on."""
@@ -59,6 +74,19 @@ class Suite:
     @property
     def jobs(self) -> List[str]:
         return [self.lower, *self.others, self.upper, self.method, *self.variants]
+
+    def agreement_sets(self) -> List[str]:
+        """``--set`` items giving every job the suite's input agreement, on the server (which
+        writes it into the model file) and the clients (which check their site files against it),
+        and the agreement's slice size as ``model.input_size``; ``[]`` without an agreement."""
+        if not self.agreement:
+            return []
+        from fedpartial.data.grid import load_agreement
+
+        agreement = load_agreement(os.path.join(REPO, self.agreement)).to_dict()
+        value = json.dumps(agreement, separators=(",", ":"))
+        return [f"server.model.input_agreement={value}", f"client.model.input_agreement={value}",
+                f"model.input_size={json.dumps(agreement['size'], separators=(',', ':'))}"]
 
     def job_folder(self, job: str) -> str:
         """The job that runs row ``job``: a name of ``jobs/`` or ``RECIPE:PROFILE`` (a variant runs
@@ -254,6 +282,77 @@ for _patient in (7, 19):
                       "fedia_lesions_paper": ["rule_args.use_correction=true"] + _FEDIA_PAPER_WEIGHTING})
 
 
+# Six MS patients from two sources and scanners, both in training: the two shared files brought
+# to the federation's input agreement and combined (patient ids 7, 19 and 2-5 kept), one patient
+# held out as the test set, 15 % of each other patient's slices the val split (choosing settings
+# with --select-on val never reads the held-out patient), the rest shared out among 4 sites
+# keeping (20k - 10m + 40) % of their lesions. Scored on the agreed grid and, taken back through
+# the agreement's inverse, on the held-out patient's own grid ("_native").
+MS6_SOURCES = (StatedSource("ms_flair_2patients.npz", (1.0, 1.0), "LAS"),
+               StatedSource("ms_flair_isbi2015_4patients.npz", (0.83, 0.83), "PLS"))
+MS6_PATIENTS = (7, 19, 2, 3, 4, 5)
+MS6_AGREEMENT = os.path.join("provisioning", "input_agreement.json")
+MS6_VAL_FRACTION = 0.15
+_MS6_METRICS = ["dice_pooled", "dice_per_image", "dice_pooled_best", "dice_per_image_best", "dice_pooled_native",
+                "dice_pooled_native_best"]
+_MS6_DEPARTURES = {"model.input_agreement": "the sources are brought to provisioning/input_agreement.json; the "
+                                            "job states it so sites check their files and the model file records it",
+                   "model.input_size": "the agreement's 192 x 224 slices (fedia:lesions ships 128 px; resizing "
+                                       "would undo the agreed 1 mm spacing)"}
+
+
+def _ms6_suite(patient: int, completeness: Sequence[float], rater2_sites: Sequence[str] = ()) -> "Suite":
+    """One ms6 suite.
+
+    Args:
+        patient: the held-out patient id.
+        completeness: per site, the share of its lesions kept.
+        rater2_sites: sites given the second rater's masks (:attr:`Suite.rater2_sites`).
+    """
+    return Suite("ms6_flair_agreed.npz", "incomplete-masks", {"completeness": list(completeness)}, 4,
+                 "fedia_lesions", "fedavg_seg_lesions", "fedavg_seg_full_lesions", holdout_patient=patient,
+                 metrics=list(_MS6_METRICS),
+                 variants={"fedia_lesions_paper": ["rule_args.use_correction=true"] + _FEDIA_PAPER_WEIGHTING},
+                 combine=MS6_SOURCES, agreement=MS6_AGREEMENT, val_fraction=MS6_VAL_FRACTION,
+                 rater2_sites=tuple(rater2_sites), cpu_departures=dict(_MS6_DEPARTURES))
+
+
+for _patient in MS6_PATIENTS:
+    for _m in (2, 3):
+        SUITES[f"ms6-p{_patient}-m{_m}"] = _ms6_suite(_patient, [(20 * k - 10 * _m + 40) / 100 for k in range(4)])
+# The second rater as a real incomplete annotation: no lesion dropped by the bench, but sites 1
+# and 2 train (and validate) on rater 2's masks wherever a slice has one (the ISBI patients);
+# the complete-mask bound and the test score use rater 1's.
+for _patient in MS6_PATIENTS:
+    SUITES[f"ms6-p{_patient}-r2"] = _ms6_suite(_patient, [1.0] * 4, rater2_sites=("site-1", "site-2"))
+
+#: suites run together by ``bench --suite-group NAME``
+SUITE_GROUPS: Dict[str, List[str]] = {
+    "ms6": [f"ms6-p{p}-m{m}" for p in MS6_PATIENTS for m in (2, 3)],
+    "ms6-r2": [f"ms6-p{p}-r2" for p in MS6_PATIENTS],
+}
+
+
+def suite_names(suites: Sequence[str] = (), groups: Sequence[str] = ()) -> List[str]:
+    """``suites`` then each group's suites (:data:`SUITE_GROUPS`), each once, in that order.
+
+    Args:
+        suites: names of :data:`SUITES`.
+        groups: names of :data:`SUITE_GROUPS`.
+
+    Raises:
+        ValueError: naming an unknown suite or group.
+    """
+    unknown = [g for g in groups if g not in SUITE_GROUPS]
+    if unknown:
+        raise ValueError(f"unknown suite group {unknown}; groups: {sorted(SUITE_GROUPS)}")
+    names = list(dict.fromkeys([*suites, *(n for g in groups for n in SUITE_GROUPS[g])]))
+    missing = [n for n in names if n not in SUITES]
+    if missing:
+        raise ValueError(f"unknown suite {missing}")
+    return names
+
+
 def job_settings(job: str, sets: Sequence[str] = ()) -> dict:
     """The effective ``model`` block, client ``rule_args`` and ``num_rounds`` of a job (a name of
     ``jobs/``, ``RECIPE:PROFILE`` or a row of :data:`PROFILE_ROWS`) after ``sets``."""
@@ -264,7 +363,8 @@ def profile_departures(suite: "Suite", profile: str = "cpu") -> List[str]:
     """Settings (``model.<key>``, ``rule_args.<key>``, ``num_rounds``) that ``profile`` changes on
     the suite's method job as shipped."""
     shipped = job_settings(suite.method)
-    run = job_settings(suite.method, list(suite.overrides.get(profile, [])) + list(suite.method_overrides.get(profile, [])))
+    run = job_settings(suite.method, list(suite.overrides.get(profile, [])) + suite.agreement_sets()
+                       + list(suite.method_overrides.get(profile, [])))
     keys = [f"model.{k}" for k in sorted(set(shipped["model"]) | set(run["model"]))
             if shipped["model"].get(k) != run["model"].get(k)]
     keys += [f"rule_args.{k}" for k in sorted(set(shipped["rule_args"]) | set(run["rule_args"]))
