@@ -34,11 +34,10 @@ from fedpartial_tools.bench_suites import DEFAULT_DATA, SUITE_GROUPS, SUITES, is
 
 
 def _cmd_bench(args):
-    rows = []
     selecting = args.select_on == "val"
     csv_path = os.path.join(args.out, SELECTION_CSV if selecting else "results.csv")
-    if (args.append or selecting) and os.path.isfile(csv_path):
-        rows = read_rows(csv_path)
+    keep_old = args.append or selecting
+    rows = read_rows(csv_path) if keep_old and os.path.isfile(csv_path) else []
     names = suite_names(args.suite or [], args.suite_group or [])
     if not names:
         raise ValueError("bench needs --suite NAME or --suite-group GROUP")
@@ -48,7 +47,10 @@ def _cmd_bench(args):
                         rounds=args.rounds, jobs=args.jobs.split(",") if args.jobs else None, extra=args.set,
                         diagnostics=args.diagnostics, overlay_images=args.overlay_images,
                         score_on=args.select_on or "test", reuse=args.reuse)
-        # a re-run (same suite, job, seed) replaces the old row
+        # a re-run (same suite, job, seed) replaces the old row; the file is read again first, so
+        # that rows another bench wrote into the same folder meanwhile (other seeds) are kept
+        if keep_old and os.path.isfile(csv_path):
+            rows = read_rows(csv_path)
         redone = {(r["suite"], r["method"], int(r["seed"])) for r in new}
         rows = [r for r in rows if (r["suite"], r["method"], int(r["seed"])) not in redone] + new
         print(write_selection(rows, args.out) if selecting else write_reports(rows, args.out))
