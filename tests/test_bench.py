@@ -638,15 +638,15 @@ def test_selection_scores_the_val_split_only_and_reuse_scores_the_saved_model(mo
 
 def test_selection_table_ranks_the_methods_settings_by_val_mean():
     rows = [{"suite": "fedlsm-ham", "method": m, "seed": s, "auc": v}
-            for m, values in (("fedlsm", (0.80, 0.84)), ("fedlsm_paper", (0.85, 0.87)), ("fedavg", (0.90, 0.90)))
+            for m, values in (("fedlsm", (0.80, 0.84)), ("fedlsm_renormalised", (0.85, 0.87)), ("fedavg", (0.90, 0.90)))
             for s, v in zip((0, 1), values)]
     md = bench_report.selection_table("fedlsm-ham", rows)
     lines = [line for line in md.splitlines() if line.startswith("| ")][1:]
-    # fedlsm_paper 0.86 ranks above fedlsm 0.82; the baseline is listed but never chosen, whatever its score
-    assert lines[0].startswith("| 1 | fedlsm_paper | rule_args.renormalise_missing=false | 0.8600 ± 0.0141 |")
+    # fedlsm_renormalised 0.86 ranks above fedlsm 0.82; the baseline is listed but never chosen, whatever its score
+    assert lines[0].startswith("| 1 | fedlsm_renormalised | rule_args.renormalise_missing=true | 0.8600 ± 0.0141 |")
     assert lines[1].startswith("| 2 | fedlsm | as shipped | 0.8200 ± 0.0283 |")
     assert lines[2].startswith("|  | fedavg | baseline | 0.9000 ± 0.0000 |")
-    assert "Chosen: **fedlsm_paper**" in md and "--jobs fedavg,fedavg_full,fedlsm_paper --reuse" in md
+    assert "Chosen: **fedlsm_renormalised**" in md and "--jobs fedavg,fedavg_full,fedlsm_renormalised --reuse" in md
 
 
 def test_tables_give_the_sample_std_and_the_gap_share_of_the_means():

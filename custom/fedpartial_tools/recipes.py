@@ -163,15 +163,16 @@ FEDIA_PROFILES = {
 _FEDLSM_CPU = {**_CLS_RECIPE, "local_epochs": 1.3, "class_weighted_bce": False}
 FEDLSM_PROFILES = {
     "cpu": {"model": {**HAM_MODEL, "arch_args": {"width": 32, "depth": 3}}, "num_rounds": 50, "min_clients": 5,
-            "rule_args": {**_FEDLSM_CPU, "renormalise_missing": True, "confident_fraction": 0.143,
+            "rule_args": {**_FEDLSM_CPU, "confident_fraction": 0.143,
                           "uncertain_fraction": 0.036},
             "description": "FedLSM (MICCAI 2023), single-label label-set mismatch: HAM10000 "
                            "(../shared/data/ham10000_28.npz), 5 sites x 3 annotated classes. Uncertainty split "
                            "(confident 200/1400, uncertain 50/1400 of a site, as fractions), EMA teacher pseudo "
                            "labels, UDE MixUp, AWPA of the classifier rows. Table 4 hyperparameters; local_epochs "
                            "1.3 = the paper's 30 iterations x 60 / ~1400 images per site. CPU profile: small_cnn, "
-                           "lr 1e-3, 50 rounds, renormalise_missing=true (our rule: it closed 74 % of the AUC gap "
-                           "vs the paper rule's 65 %). Paper: profile 'paper'."},
+                           "lr 1e-3, 50 rounds, the paper's pseudo-label rule (chosen on the val split over "
+                           "renormalise_missing=true: val AUC 0.909 vs 0.907, level within the seeds' spread). "
+                           "Paper: profile 'paper'."},
     "multilabel": {"model": NIH_MODEL, "num_rounds": 20, "min_clients": 8,
                    "rule_args": {**_CLS_RECIPE, "local_epochs": 1.3, "confident_fraction": 0.21,
                                  "uncertain_fraction": 0.053},
