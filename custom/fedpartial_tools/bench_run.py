@@ -79,9 +79,9 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
     unknown = [j for j in jobs if j not in suite.jobs]
     if unknown:
         raise ValueError(f"suite '{name}' has no job {unknown}; its jobs: {suite.jobs}")
-    # What reproduces these rows (the README shows it as a bench command line).
     if score_on not in SCORED_SPLITS:
         raise ValueError(f"score_on must be one of {SCORED_SPLITS}, got '{score_on}'")
+    # What reproduces these rows (the README shows it as a bench command line).
     bench_args = json.dumps({"profile": profile, "rounds": rounds, "sets": list(extra), "diagnostics": diagnostics})
     if score_on == "val":
         overlay_images = 0  # overlays draw test images
@@ -163,7 +163,7 @@ def trained_before(ws: str, job: str, sets: Sequence[str]) -> Optional[float]:
 
 def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "test") -> dict:
     from fedpartial.data.npz import load_npz
-    from fedpartial.evaluation import evaluate_split
+    from fedpartial.evaluation import evaluate_split, predict_split
     from fedpartial.training.common import select_device
 
     device = select_device("auto")
@@ -179,7 +179,6 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
     # the val slices are parts of patients)
     native = native_scorer(source_data.info, scored, source) if score_on == "test" else None
     if data.task == "segmentation":
-        from fedpartial.evaluation import predict_split
         from fedpartial.metrics import segmentation_metrics
 
         probs = predict_split(model, scored, data.task, meta["normalisation"], device)
@@ -205,8 +204,6 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
         for k, v in evaluate_split(best, scored, data.task, data.class_names, meta["normalisation"], device).items():
             metrics[f"{k}_best"] = v
         if native is not None and data.task == "segmentation":
-            from fedpartial.evaluation import predict_split
-
             metrics["dice_pooled_native_best"] = native(predict_split(best, scored, data.task, meta["normalisation"],
                                                                       device))
     for k in suite.metrics:
@@ -333,7 +330,7 @@ def combined_source(suite: "Suite", name: str, data_dir: str, out_dir: str) -> s
         ValueError: when a file made earlier records another agreement than the suite's.
     """
     from fedpartial.data.grid import AGREEMENT_KEY, InputAgreement, agreement_differences, load_agreement
-    from fedpartial.data.npz import INFO_KEY
+    from fedpartial.data.arrays import read_info_json
     from fedpartial_tools.harmonise import combine_npz, hold_out_patient
 
     agreement = load_agreement(os.path.join(REPO, suite.agreement))
@@ -352,7 +349,7 @@ def combined_source(suite: "Suite", name: str, data_dir: str, out_dir: str) -> s
         if not os.path.isfile(made):
             hold_out_patient(combined, suite.holdout_patient, made, val_fraction=suite.val_fraction)
     with np.load(made, allow_pickle=False) as z:  # only the small info array is read
-        recorded = json.loads(str(z[INFO_KEY])).get(AGREEMENT_KEY) if INFO_KEY in z.files else None
+        recorded = read_info_json(z, f"'{made}'").get(AGREEMENT_KEY)
     differences = [] if recorded is None else agreement_differences(
         InputAgreement.from_dict(recorded, f"'{made}' info_json '{AGREEMENT_KEY}'"), agreement)
     if recorded is None or differences:

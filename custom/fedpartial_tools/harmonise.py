@@ -15,14 +15,13 @@ and records the agreement in ``info_json`` (:func:`fedpartial.data.npz.load_npz`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
-from fedpartial.data.arrays import atomic_savez, info_json, open_npz
+from fedpartial.data.arrays import atomic_savez, info_json, open_npz, read_info_json
 from fedpartial.data.grid import (AGREEMENT_KEY, InputAgreement, check_axcodes, mask_to_agreed_grid,
                                   slice_order_flips, stack_affine, to_agreed_grid)
 from fedpartial.data.npz import INFO_KEY, SPLITS
@@ -342,7 +341,7 @@ def hold_out_patient(combined: str, patient: int, out: str, val_fraction: float 
         raise DataError(f"'{combined}': patient {patient} is not one of several patients {present}")
     if present[0] < 0:
         raise DataError(f"'{combined}': patient id {present[0]} is negative; the val draw is seeded by patient id")
-    info = json.loads(str(arrays[INFO_KEY]))
+    info = read_info_json(arrays, f"'{combined}'")
     origin = next((s for s in info.get("combined_from", []) if patient in s.get("patients", [])), None)
     if origin is None:
         raise DataError(f"'{combined}': info_json 'combined_from' names no source of patient {patient}")

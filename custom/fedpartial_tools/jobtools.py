@@ -175,9 +175,8 @@ RUNTIME_CHECKED = ("fedpartial.flare.executors.FedPartialExecutor", "fedpartial.
 
 
 # What a baseline takes from the method it is compared with, so that a comparison is of rules,
-# not of networks or recipes: the whole model block but the classes, and the local recipe keys both
-# rules accept. Augmentation stays each rule's own (FedLSM's weak / strong views and FedIRM's affine
-# view are part of those methods).
+# not of networks or recipes: the whole model block but the classes (and the local recipe, see
+# :func:`recipe_of`).
 SHARED_MODEL_KEYS = ("arch", "arch_args", "in_channels", "input_size", "normalisation", "pretrained")
 JOBS_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "jobs"))
 

@@ -105,7 +105,7 @@ import torch.nn.functional as F
 
 from fedpartial.algorithms.aggregation import average_classifier_rows, average_weights, capped_counts
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
-from fedpartial.data.transforms import flip_batch, make_view
+from fedpartial.data.transforms import training_view
 from fedpartial.data.types import MULTI_LABEL, DataError
 from fedpartial.training.common import ImageSource, batch_indices, round_seed, seed_everything
 from fedpartial.training.losses import masked_bce_with_logits
@@ -617,7 +617,7 @@ class FedMLPClient(ClientRule):
         batch_size: samples per step (paper 32).
         local_epochs: epochs per round (paper 1).
         num_views: augmented views of each batch whose losses are averaged (paper 2).
-        augmentation: ``weak`` (flips) | ``strong`` | ``none``.
+        augmentation: one of :data:`fedpartial.data.transforms.TRAINING_VIEWS` (``weak``: flips).
         low: L of the learning degree (paper 0.3).
         high: R of the learning degree (paper 0.7).
         la_tau: logit-adjustment strength (1 = paper Eq. 3).
@@ -680,7 +680,7 @@ class FedMLPClient(ClientRule):
         self.warmup_rounds, self.lr, self.weight_decay, self.betas = int(warmup_rounds), lr, weight_decay, tuple(betas)
         self.batch_size, self.local_epochs, self.num_views = int(batch_size), int(local_epochs), int(num_views)
         self.augmentation = augmentation
-        self.view = None if augmentation == "weak" else make_view(augmentation)  # validates the name
+        self.view = training_view(augmentation)  # validates the name; the table the matched baselines use
         self.low, self.high, self.la_tau, self.la_eps, self.cr_weight = low, high, la_tau, la_eps, cr_weight
         self.use_mld, self.use_wpc, self.use_cr = bool(use_mld), bool(use_wpc), bool(use_cr)
         self.use_adaptive_threshold = bool(use_adaptive_threshold)
@@ -756,8 +756,6 @@ class FedMLPClient(ClientRule):
         return round_index >= first - 1
 
     def _augment(self, x: torch.Tensor) -> torch.Tensor:
-        if self.augmentation == "weak":
-            return flip_batch(x)
         return x if self.view is None else self.view(x)
 
     # -- missing label detection ------------------------------------------------------------------

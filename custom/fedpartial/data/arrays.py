@@ -64,6 +64,29 @@ def plain_array(values) -> np.ndarray:
     return values.astype(str) if values.dtype == object else values
 
 
+def read_info_json(arrays: Dict[str, np.ndarray], where: str) -> dict:
+    """The ``info_json`` key of a file's arrays as a dict (``{}`` when absent).
+
+    Args:
+        arrays: the file's arrays.
+        where: the file, as error messages name it (e.g. ``site file 'x.npz'``).
+
+    Raises:
+        DataError: naming ``where`` when the key is not JSON or not a JSON object.
+    """
+    from fedpartial.data.types import DataError
+
+    if "info_json" not in arrays:
+        return {}
+    try:
+        info = json.loads(str(arrays["info_json"]))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: 'info_json' is not JSON ({e})") from e
+    if not isinstance(info, dict):
+        raise DataError(f"{where}: 'info_json' holds {type(info).__name__}, not a JSON object")
+    return info
+
+
 def info_json(info: dict) -> np.ndarray:
     """``info`` as a 0-d unicode array (numpy numbers and arrays become plain JSON)."""
     def plain(value):

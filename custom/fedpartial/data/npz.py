@@ -3,13 +3,12 @@ and ``../shared/data``), the segmentation layout, and this project's site files 
 :mod:`fedpartial.data.sitefile`)."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-from fedpartial.data.arrays import atomic_savez, check_images, info_json, open_npz, plain_array
+from fedpartial.data.arrays import atomic_savez, check_images, info_json, open_npz, plain_array, read_info_json
 from fedpartial.data.grid import AGREEMENT_KEY
 from fedpartial.data.sitefile import dataset_from_site_arrays
 from fedpartial.data.types import MULTI_LABEL, SEGMENTATION, SINGLE_LABEL, DataError, Dataset, Split
@@ -149,14 +148,7 @@ def load_npz(path: str, require_train: bool = True, default_class_names: Optiona
     if require_train and len(splits.get("train", [])) == 0:
         raise DataError(f"'{path}': the train split is empty")
     info = {"slices_flipped": True} if flip else {}
-    if INFO_KEY in arrays:  # e.g. the input agreement a harmonised file was brought to
-        try:
-            recorded = json.loads(str(arrays[INFO_KEY]))
-        except json.JSONDecodeError as e:
-            raise DataError(f"'{path}': '{INFO_KEY}' is not JSON ({e})") from e
-        if not isinstance(recorded, dict):
-            raise DataError(f"'{path}': '{INFO_KEY}' holds {type(recorded).__name__}, not a JSON object")
-        info.update(recorded)
+    info.update(read_info_json(arrays, f"'{path}'"))  # e.g. the input agreement a harmonised file was brought to
     if names_from:
         info["class_names_from"] = names_from
     return Dataset(task, list(class_names), splits, source=path, info=info)

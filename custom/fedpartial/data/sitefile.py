@@ -22,7 +22,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from fedpartial.data.arrays import atomic_savez, check_images, info_json, open_npz, plain_array, umask
+from fedpartial.data.arrays import atomic_savez, check_images, info_json, open_npz, plain_array, read_info_json, umask
 from fedpartial.data.types import SEGMENTATION, TASKS, DataError, Dataset, Split
 
 SITE_SPLITS = ("train", "val", "test")
@@ -333,10 +333,7 @@ def dataset_from_site_arrays(arrays: Dict[str, np.ndarray], path: str, expected_
     if expected_site is not None and site != expected_site:
         raise DataError(f"site file '{path}' belongs to site '{site}', not '{expected_site}'")
     class_names = [str(c) for c in arrays["class_names"].tolist()]
-    try:
-        info = json.loads(str(arrays["info_json"])) if "info_json" in arrays else {}
-    except json.JSONDecodeError as e:
-        raise DataError(f"site file '{path}': 'info_json' is not JSON ({e})") from e
+    info = read_info_json(arrays, f"site file '{path}'")
     splits = {}
     for name in SITE_SPLITS:
         if f"{name}_images" not in arrays:

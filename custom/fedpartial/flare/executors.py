@@ -112,8 +112,8 @@ def load_site_dataset(path: str, site: str, settings: dict, cache_dir: str = "",
 def check_input_agreement(data, path: str, site: str, settings: dict) -> None:
     """Refuse a site file brought to another input agreement than the job's.
 
-    A file that records no agreement passes: files written by ``split`` carry none, and a job
-    without an agreement makes no promise about its input.
+    A file that records no agreement passes (it was made without one), and a job without an
+    agreement makes no promise about its input.
 
     Args:
         data: the loaded site file (``info["input_agreement"]`` as ``import --agreement`` records it).
@@ -139,10 +139,20 @@ def check_input_agreement(data, path: str, site: str, settings: dict) -> None:
                          f"(python -m fedpartial import nifti --agreement FILE)")
 
 
-def has_val_labels(val, task: str) -> bool:
-    """Whether a val split annotates anything (a classification entry; segmentation masks always
-    count: an empty mask is a measurement)."""
-    return task == SEGMENTATION or val.label_mask is None or bool(np.any(val.label_mask))
+def scored_val_split(data):
+    """The val split of a site's data when it has something to score, else None: no split, an
+    empty one, or a classification split that annotates nothing (an unlabelled site). A
+    segmentation mask always counts: an empty mask is a measurement.
+
+    Args:
+        data: the site's loaded dataset.
+    """
+    val = data.splits.get("val")
+    if val is None or len(val) == 0:
+        return None
+    if data.task != SEGMENTATION and val.label_mask is not None and not np.any(val.label_mask):
+        return None
+    return val
 
 
 class FedPartialExecutor(Executor):
@@ -388,8 +398,8 @@ class FedPartialExecutor(Executor):
         from fedpartial.algorithms.thresholds import probability_histograms
         from fedpartial.evaluation import predict_split
 
-        val = self.data.splits.get("val")
-        if self.data.task == SEGMENTATION or val is None or len(val) == 0 or not has_val_labels(val, self.data.task):
+        val = scored_val_split(self.data)
+        if self.data.task == SEGMENTATION or val is None:
             return None
         # a second pass over the val split: evaluate_split keeps its probabilities to itself
         probs = predict_split(model, val, self.data.task, self.settings["normalisation"], self.device)
@@ -402,8 +412,8 @@ class FedPartialExecutor(Executor):
         ``val_curated`` = 1 where the site's val split is a curated, completely annotated one."""
         from fedpartial.evaluation import evaluate_split
 
-        val = self.data.splits.get("val")
-        if val is None or len(val) == 0 or not has_val_labels(val, self.data.task):
+        val = scored_val_split(self.data)
+        if val is None:
             return {}
         metrics = evaluate_split(model, val, self.data.task, self.data.class_names, self.settings["normalisation"],
                                  self.device, flat=True)
