@@ -160,6 +160,9 @@ SUITES: Dict[str, Suite] = {
     "fedlsm-nih": Suite("nih_chestxray14_64.npz", "label-set-mismatch", {"classes_per_site": 3}, 8,
                         "fedlsm_multilabel", "fedavg", "fedavg_full", ["fedavg_partial_loss"],
                         metrics=["auc", "map", "f1", "bacc"],
+                        # the class-weighted BCE uses the server's class counts (FedLSM's statistics);
+                        # without it, what FedLSM adds beyond a weighting FedAvg does not have
+                        variants={"fedlsm_unweighted": ["rule_args.class_weighted_bce=false"]},
                         overrides={"cpu": _CPU_CLS + ["num_rounds=20"], "gpu": ["model.arch=densenet121",
                                                                                "model.arch_args={}", "num_rounds=50"]}),
     "fedmlp-ctich": Suite("ct_ich_128.npz", "label-set-mismatch", {"classes_per_site": 1}, 5, "fedmlp_ctich",
