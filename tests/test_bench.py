@@ -659,3 +659,35 @@ def test_tables_give_the_sample_std_and_the_gap_share_of_the_means():
     assert "| fedia | 0.660 ± 0.028 | 0.660 ± 0.028 | 56% | 56% |" in md
     seeds = bench_report.per_seed_table("fedia-dsb-m2", rows, ["dice"])
     assert "| job | dice seed 0 | dice seed 1 |" in seeds and "| fedia | 0.640 | 0.680 |" in seeds
+
+
+def test_last_rounds_range_and_its_column():
+    # last 5 of [0.1, 0.9, 0.3, 0.5, 0.4, nan, 0.6]: 0.3 0.5 0.4 (nan left out) 0.6 -> 0.6 - 0.3
+    assert bench_report.last_rounds_range([0.1, 0.9, 0.3, 0.5, 0.4, float("nan"), 0.6]) == pytest.approx(0.3)
+    assert np.isnan(bench_report.last_rounds_range([0.4]))
+    rows = [{"suite": "fedia-dsb-m2", "method": m, "seed": s, "dice": 0.6, "iou": 0.5, "rounds": 30,
+             bench_report.LAST_ROUNDS_KEY: v}
+            for m, values in (("fedavg_seg", (0.10, 0.20)), ("fedavg_seg_full", (0.0, 0.0)), ("fedia", (0.05, 0.05)))
+            for s, v in zip((0, 1), values)]
+    md = bench_report.suite_table("fedia-dsb-m2", rows)
+    assert "val dice range, last 5 rounds |" in md
+    assert md.splitlines()[-3].endswith("| 0.150 ± 0.071 |")  # fedavg_seg: mean 0.15, std 0.1/sqrt(2)
+
+
+def test_group_table_means_per_fold_and_over_folds():
+    key = "dice_pooled_native"
+    values = {"ms6-p7-m2": {"fedavg_seg_lesions": (0.20, 0.30), "fedavg_seg_full_lesions": (0.50, 0.50),
+                            "fedia_lesions": (0.40, 0.40)},
+              "ms6-p2-m3": {"fedavg_seg_lesions": (0.30, 0.30), "fedavg_seg_full_lesions": (0.40, 0.40),
+                            "fedia_lesions": (0.20, 0.20)}}
+    rows = [{"suite": suite, "method": job, "seed": s, key: v, "rounds": 30}
+            for suite, jobs in values.items() for job, seeds in jobs.items() for s, v in zip((0, 1), seeds)]
+    md = bench_report.group_table("ms6", rows, key)
+    # p7: fedavg 0.25, full 0.5, fedia 0.4 -> gap 0.15 / 0.25 = 60 %; p2: (0.2 - 0.3) / 0.1 = -100 %
+    assert "| ms6-p7-m2 | 2 | 0.250 | 0.500 | 0.400 | 60% |" in md
+    assert "| ms6-p2-m3 | 2 | 0.300 | 0.400 | 0.200 | -100% |" in md
+    # over folds: fedavg 0.275, full 0.45, fedia 0.30 -> 0.025 / 0.175 = 14 %
+    assert "| mean of 2 suites |  | 0.275 | 0.450 | 0.300 | 14% |" in md
+    assert md.endswith("fedia_lesions below fedavg_seg_lesions (means over seeds): ms6-p2-m3")
+    assert bench_report.group_table("ms6-r2", rows, key) == ""
+    assert "**ms6**" in bench_report.markdown_table(rows)

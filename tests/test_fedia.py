@@ -74,7 +74,7 @@ def scripted(client, ious, loss=0.4):
     """Replace real training by scripted IoU values (round -> IoU); records the masks trained on."""
     client.seen_masks = {}
 
-    def fake_train_on(model, masks, round_index):
+    def fake_train_on(model, masks, round_index, num_rounds):
         client.seen_masks[round_index] = np.array(masks)
         return loss, ious[round_index], 1
 
@@ -631,3 +631,39 @@ def test_segmentation_losses_punish_false_positives_on_an_empty_image(kind):
         assert float(loss(loud, empty)) - float(loss(quiet, empty)) > 1.0
     with pytest.raises(ValueError, match="unknown"):
         make_dice_loss(kind="bce")
+
+
+# ----------------------------------------------------------------------------- lr over rounds
+def test_round_lr_cosine_by_hand():
+    from fedpartial.training.common import round_lr
+    # lr 1e-3 to 1e-4 over 5 rounds: progress 0, 1/4, 1/2, 1, and past the end stays at the last
+    assert round_lr(1e-3, 0, 5, "cosine", 0.1) == pytest.approx(1e-3)
+    # 1e-4 + 9e-4 * (1 + cos(pi/4)) / 2 = 1e-4 + 9e-4 * 0.853553 = 8.68198e-4
+    assert round_lr(1e-3, 1, 5, "cosine", 0.1) == pytest.approx(8.68198e-4, rel=1e-5)
+    assert round_lr(1e-3, 2, 5, "cosine", 0.1) == pytest.approx(5.5e-4)
+    assert round_lr(1e-3, 4, 5, "cosine", 0.1) == pytest.approx(1e-4)
+    assert round_lr(1e-3, 9, 5, "cosine", 0.1) == pytest.approx(1e-4)
+    assert round_lr(1e-3, 3, 5, "constant") == 1e-3
+    with pytest.raises(ValueError, match="lr_schedule 'step' unknown"):
+        round_lr(1e-3, 0, 5, "step")
+
+
+def test_segmentation_and_fedia_clients_train_each_round_at_the_scheduled_lr(tmp_path, monkeypatch):
+    import fedpartial.algorithms.segmentation as seg
+
+    used = []
+    real = seg.make_adam
+    monkeypatch.setattr(seg, "make_adam", lambda model, lr, betas, wd: (used.append(lr), real(model, lr, betas, wd))[1])
+    site, full = lesion_masks()
+    for client in (SegmentationSupervisedClient(lr=1e-2, batch_size=2, lr_schedule="cosine", final_lr_fraction=0.5),
+                   FedIAClient(lr=1e-2, batch_size=2, lr_schedule="cosine", final_lr_fraction=0.5,
+                               use_correction=False)):
+        used.clear()
+        client.setup(make_ctx(tmp_path / type(client).__name__, site, full))
+        model = FixedMapModel(predicted_map())
+        for r in range(3):
+            run_round(client, model, r, num_rounds=3)
+        # 1e-2 at round 0, (1e-2 + 5e-3) / 2 at the middle round, 5e-3 at the last
+        assert used == pytest.approx([1e-2, 7.5e-3, 5e-3])
+    with pytest.raises(ValueError, match="final_lr_fraction"):
+        SegmentationSupervisedClient(lr_schedule="cosine", final_lr_fraction=0.0)

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from fedpartial_tools.bench_suites import REPO, SUITES, is_segmentation, suites_of
+from fedpartial_tools.bench_suites import GROUP_METRICS, REPO, SUITE_GROUPS, SUITES, is_segmentation, suites_of
 
 
 def gap_closed(value: float, lower: float, upper: float) -> float:
@@ -42,6 +42,23 @@ def add_gap_columns(rows: List[dict]) -> None:
         for k in suite.metrics:
             row[f"gap_{k}"] = (gap_closed(_value(row, k), _value(lo, k), _value(up, k)) if lo and up
                                else float("nan"))
+
+
+#: how many of the last rounds' validation scores show how much the kept model depends on the round
+LAST_ROUNDS = 5
+LAST_ROUNDS_KEY = f"val_range_last{LAST_ROUNDS}"
+
+
+def last_rounds_range(curve: List[float], rounds: int = LAST_ROUNDS) -> float:
+    """Highest minus lowest validation score of the last ``rounds`` rounds (NaN with fewer than 2):
+    how far apart methods' scores can be by keeping one round rather than another.
+
+    Args:
+        curve: the per-round validation scores (:func:`_curve`).
+        rounds: how many of the last rounds.
+    """
+    last = [v for v in curve[-int(rounds):] if np.isfinite(v)]
+    return float(max(last) - min(last)) if len(last) >= 2 else float("nan")
 
 
 def write_reports(rows: List[dict], out_dir: str) -> str:
@@ -106,8 +123,12 @@ def gap_of_means(job_rows: List[dict], lower_rows: List[dict], upper_rows: List[
 
 
 def markdown_table(rows: List[dict]) -> str:
-    """Tables of every suite in ``rows`` (results.md): mean ± std, then the per-seed values."""
-    return "\n".join(suite_table(name, rows) + "\n\n" + per_seed_table(name, rows) for name in suites_of(rows)) + "\n"
+    """Tables of every suite in ``rows`` (results.md): mean ± std, then the per-seed values; then a
+    table of each suite group with a suite in ``rows`` (:func:`group_table`)."""
+    tables = [suite_table(name, rows) + "\n\n" + per_seed_table(name, rows) for name in suites_of(rows)]
+    groups = [group_table(g, rows, GROUP_METRICS.get(g, SUITES[names[0]].metrics[0]))
+              for g, names in SUITE_GROUPS.items()]
+    return "\n".join(tables + [t for t in groups if t]) + "\n"
 
 
 def per_seed_table(name: str, rows: List[dict], keys: Optional[Sequence[str]] = None) -> str:
@@ -142,7 +163,10 @@ def suite_table(name: str, rows: List[dict]) -> str:
     definitions = TABLE_DEFINITIONS.format(lower=suite.lower, upper=suite.upper)
     lines = [f"\n**{name}** — {sub[0].get('dataset') or suite.dataset}, {suite.scenario} {suite.split_options}, {suite.sites} sites, "
              f"{sub[0]['rounds']} rounds, seeds {seeds} ({definitions})\n"]
-    head = ["job"] + suite.metrics + [f"gap {k}" for k in suite.metrics[:2]]
+    # rows measured before the bench recorded it have no last-rounds range: no column then
+    spread = any(np.isfinite(_value(r, LAST_ROUNDS_KEY)) for r in sub)
+    head = (["job"] + suite.metrics + [f"gap {k}" for k in suite.metrics[:2]]
+            + ([f"val {suite.metrics[0]} range, last {LAST_ROUNDS} rounds"] if spread else []))
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     lower = [r for r in sub if r["method"] == suite.lower]
@@ -155,7 +179,58 @@ def suite_table(name: str, rows: List[dict]) -> str:
         for k in suite.metrics[:2]:
             gap = gap_of_means(jr, lower, upper, k)
             cells.append(f"{gap:.0%}" if np.isfinite(gap) else "–")
+        if spread:
+            cells.append(_fmt([_value(r, LAST_ROUNDS_KEY) for r in jr]))
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def group_table(group: str, rows: List[dict], key: str) -> str:
+    """Markdown: one line per suite of ``group`` found in ``rows`` (a fold of a leave-one-out
+    group) with each job's mean ``key`` over seeds and the method's gap share, then the mean over
+    those suites with the gap from those means, and the suites where the method's mean is below
+    the lower bound's. Empty when no suite of the group is in ``rows``.
+
+    Args:
+        group: a name of :data:`SUITE_GROUPS`.
+        rows: result rows.
+        key: the metric (e.g. ``dice_pooled_native``).
+    """
+    names = [n for n in SUITE_GROUPS[group] if any(r["suite"] == n for r in rows)]
+    if not names:
+        return ""
+    first = SUITES[names[0]]
+    present = {r["method"] for r in rows if r["suite"] in names}
+    jobs = [job for job in dict.fromkeys([*first.jobs, *sorted(present)]) if job in present]
+    head = ["suite", "seeds"] + jobs + [f"gap {first.method}"]
+    lines = [f"**{group}**: {key}, each job's mean over seeds per suite "
+             f"({TABLE_DEFINITIONS.format(lower=first.lower, upper=first.upper)})", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    means: Dict[str, List[float]] = {job: [] for job in jobs}
+    below = []
+    for name in names:
+        sub = [r for r in rows if r["suite"] == name]
+        suite = SUITES[name]
+        by_job = {job: [r for r in sub if r["method"] == job] for job in jobs}
+        cells = [name, str(len({int(r["seed"]) for r in sub}))]
+        for job in jobs:
+            mean = mean_std([_value(r, key) for r in by_job[job]])[0]
+            means[job].append(mean)
+            cells.append(f"{mean:.3f}" if np.isfinite(mean) else "–")
+        gap = gap_of_means(by_job[suite.method], by_job[suite.lower], by_job[suite.upper], key)
+        cells.append(f"{gap:.0%}" if np.isfinite(gap) else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+        job_mean, lower_mean = means[suite.method][-1], means[suite.lower][-1]
+        if np.isfinite(job_mean) and np.isfinite(lower_mean) and job_mean < lower_mean:
+            below.append(name)
+    over = {job: float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
+            for job, v in ((j, np.asarray(m, dtype=float)) for j, m in means.items())}
+    gap = gap_closed(over[first.method], over[first.lower], over[first.upper])
+    lines.append("| " + " | ".join([f"mean of {len(names)} suites", ""]
+                                  + [f"{over[j]:.3f}" if np.isfinite(over[j]) else "–" for j in jobs]
+                                  + [f"{gap:.0%}" if np.isfinite(gap) else "–"]) + " |")
+    lines += ["", f"{first.method} below {first.lower} (means over seeds): "
+                  + (", ".join(below) if below else "on no suite")]
     return "\n".join(lines)
 
 

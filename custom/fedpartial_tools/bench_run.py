@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from fedpartial_tools.bench_report import load_for_eval, write_overlays
+from fedpartial_tools.bench_report import LAST_ROUNDS_KEY, last_rounds_range, load_for_eval, write_overlays
 from fedpartial_tools.bench_suites import DEFAULT_DATA, REPO, SUITES, Suite, is_segmentation, matched_sets
 
 
@@ -210,8 +210,11 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
         row[k] = float(metrics.get(k, float("nan")))
     per_class = metrics.get("per_class") or {}
     row["per_class_auc"] = json.dumps({c: v.get("auc") for c, v in per_class.items()})
-    row["curve"] = json.dumps(_curve(os.path.join(ws, "metrics.json"), suite.metrics[0]))
+    curve = _curve(os.path.join(ws, "metrics.json"), suite.metrics[0])
+    row["curve"] = json.dumps(curve)
+    row[LAST_ROUNDS_KEY] = last_rounds_range(curve)
     return row
+
 
 
 def native_scorer(info: dict, scored, where: str):

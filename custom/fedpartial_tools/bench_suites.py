@@ -331,6 +331,9 @@ SUITE_GROUPS: Dict[str, List[str]] = {
     "ms6": [f"ms6-p{p}-m{m}" for p in MS6_PATIENTS for m in (2, 3)],
     "ms6-r2": [f"ms6-p{p}-r2" for p in MS6_PATIENTS],
 }
+#: the metric a group's summary table compares (default: its suites' first): the held-out
+#: patient on its own grid
+GROUP_METRICS: Dict[str, str] = {"ms6": "dice_pooled_native", "ms6-r2": "dice_pooled_native"}
 
 
 def suite_names(suites: Sequence[str] = (), groups: Sequence[str] = ()) -> List[str]:

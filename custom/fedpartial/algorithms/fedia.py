@@ -357,7 +357,8 @@ class FedIAClient(SegmentationSupervisedClient):
             many times as many lesions as the site annotated (0.5; 0 = any model, the paper); until
             then the estimate is deferred to the next round and the server stays on FedAvg.
         lr, betas, weight_decay, batch_size, local_epochs, prob_threshold, dice_batch,
-        predict_batch_size, loss, lesion_fraction: as in :class:`SegmentationSupervisedClient`
+        predict_batch_size, loss, lesion_fraction, lr_schedule, final_lr_fraction: as in
+            :class:`SegmentationSupervisedClient`
             (paper: Adam 1e-4, (0.9, 0.99), batch 4, one epoch, Dice loss, uniform batches; with
             another loss the site's mean loss ℓ_k of eq. 5 is that loss).
     """
@@ -377,10 +378,12 @@ class FedIAClient(SegmentationSupervisedClient):
                  local_epochs: int = 1, prob_threshold: float = 0.5, dice_batch: bool = False,
                  predict_batch_size: int = 16, loss: str = "dice", lesion_fraction: float = 0.0,
                  correction_rule: str = "pixels", warmup_from_first_lesion: bool = False,
-                 retry_empty_correction: bool = False):
+                 retry_empty_correction: bool = False, lr_schedule: str = "constant",
+                 final_lr_fraction: float = 0.1):
         super().__init__(lr=lr, betas=betas, weight_decay=weight_decay, batch_size=batch_size,
                          local_epochs=local_epochs, prob_threshold=prob_threshold, dice_batch=dice_batch,
-                         predict_batch_size=predict_batch_size, loss=loss, lesion_fraction=lesion_fraction)
+                         predict_batch_size=predict_batch_size, loss=loss, lesion_fraction=lesion_fraction,
+                         lr_schedule=lr_schedule, final_lr_fraction=final_lr_fraction)
         if int(warmup_rounds) < 2:
             raise ValueError(f"warmup_rounds must be >= 2 (the IoU trend needs two points), got {warmup_rounds}")
         if not 0.0 < float(correction_threshold) < 1.0:
@@ -597,7 +600,7 @@ class FedIAClient(SegmentationSupervisedClient):
                 self.estimate(n_predicted, r)
             if correct:
                 changed = self.correct(corrected, changed, r)
-        mean_loss, iou, steps = self.train_on(model, self.masks, r)
+        mean_loss, iou, steps = self.train_on(model, self.masks, r, inp.num_rounds)
         state["iou_history"][str(r)] = iou
         state["loss_history"][str(r)] = mean_loss
         metrics = {"train_loss": mean_loss, "train_iou": iou, "train_steps": steps, "corrected_pixels": changed}

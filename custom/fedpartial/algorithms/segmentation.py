@@ -26,8 +26,8 @@ import torch
 
 from fedpartial.algorithms.base import ClientContext, ClientRule, RoundInput, RoundResult
 from fedpartial.data.types import DataError
-from fedpartial.training.common import (DRAWS, ImageSource, batch_indices, predict_batches, round_seed,
-                                        seed_everything, take_rows)
+from fedpartial.training.common import (DRAWS, LR_SCHEDULES, ImageSource, batch_indices, predict_batches,
+                                        round_lr, round_seed, seed_everything, take_rows)
 
 #: What :class:`SegmentationSupervisedClient` returns in ``metrics`` (sent as ``site_metrics``) and
 #: when a site's result policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
@@ -279,13 +279,16 @@ class SegmentationSupervisedClient(ClientRule):
         loss: ``dice`` (paper), ``dice_ce`` or ``dice_focal`` (:func:`make_dice_loss`).
         lesion_fraction: share of each training batch drawn from images with a lesion (0 = paper:
             uniform; for sparse lesions where most images are empty).
+        lr_schedule: ``constant`` (paper) or ``cosine`` over the job's rounds (:func:`round_lr`).
+        final_lr_fraction: the last round's lr as a share of ``lr`` under ``cosine``.
     """
 
     task_kind = "segmentation"
 
     def __init__(self, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, batch_size: int = 4,
                  local_epochs: int = 1, prob_threshold: float = 0.5, dice_batch: bool = False,
-                 predict_batch_size: int = 16, loss: str = "dice", lesion_fraction: float = 0.0):
+                 predict_batch_size: int = 16, loss: str = "dice", lesion_fraction: float = 0.0,
+                 lr_schedule: str = "constant", final_lr_fraction: float = 0.1):
         if loss not in SEG_LOSSES:
             raise ValueError(f"segmentation loss '{loss}' unknown; choose one of {SEG_LOSSES}")
         if not 0.0 <= float(lesion_fraction) <= 1.0:
@@ -299,6 +302,11 @@ class SegmentationSupervisedClient(ClientRule):
         self.batch_size, self.local_epochs = int(batch_size), int(local_epochs)
         self.prob_threshold, self.dice_batch = float(prob_threshold), bool(dice_batch)
         self.predict_batch_size = int(predict_batch_size)
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule '{lr_schedule}' unknown; choose one of {LR_SCHEDULES}")
+        if not 0.0 < float(final_lr_fraction) <= 1.0:
+            raise ValueError(f"final_lr_fraction must be in (0, 1], got {final_lr_fraction}")
+        self.lr_schedule, self.final_lr_fraction = lr_schedule, float(final_lr_fraction)
 
     def setup(self, ctx: ClientContext) -> None:
         super().setup(ctx)
@@ -312,13 +320,14 @@ class SegmentationSupervisedClient(ClientRule):
         seed_everything(seed)
         return np.random.default_rng(seed)
 
-    def train_on(self, model, masks: np.ndarray, round_index: int) -> Tuple[float, float, int]:
-        """Train ``model`` in place on ``masks`` for ``local_epochs`` epochs, then measure its IoU on
-        the same masks. Returns ``(mean_loss, iou, steps)`` (mean loss of the last epoch)."""
+    def train_on(self, model, masks: np.ndarray, round_index: int, num_rounds: int) -> Tuple[float, float, int]:
+        """Train ``model`` in place on ``masks`` for ``local_epochs`` epochs at the round's lr, then
+        measure its IoU on the same masks. Returns ``(mean_loss, iou, steps)`` (mean loss of the last epoch)."""
         rng = self.round_rng(round_index)
         device = self.ctx.device
         model.to(device)
-        optimizer = make_adam(model, self.lr, self.betas, self.weight_decay)
+        lr = round_lr(self.lr, round_index, num_rounds, self.lr_schedule, self.final_lr_fraction)
+        optimizer = make_adam(model, lr, self.betas, self.weight_decay)
         mean_loss, steps = float("nan"), 0
         for _ in range(self.local_epochs):
             mean_loss, epoch_steps = train_dice_epoch(model, self.images, masks, optimizer, self.loss_fn, device,
@@ -344,6 +353,6 @@ class SegmentationSupervisedClient(ClientRule):
         if n == 0:
             self.ctx.log(f"site '{self.ctx.site}' has no training image: it takes no part in FedAvg")
             return RoundResult(num_samples=0, metrics={"train_loss": 0.0, "train_iou": 0.0})
-        mean_loss, iou, steps = self.train_on(model, self.masks, inp.round)
+        mean_loss, iou, steps = self.train_on(model, self.masks, inp.round, inp.num_rounds)
         return RoundResult(num_samples=n, metrics={"train_loss": mean_loss, "train_iou": iou, "train_steps": steps})
 

@@ -3,6 +3,7 @@ EMA, masked losses, prediction. Every method reuses these; none keeps its own co
 from __future__ import annotations
 
 import copy
+import math
 import random
 import threading
 import zlib
@@ -73,6 +74,34 @@ def round_seed(seed: int, site: str, round_index: int) -> int:
     """
     site_code = zlib.crc32(str(site).encode("utf-8"))
     return int(np.random.SeedSequence([int(seed) % (2**32), site_code, int(round_index)]).generate_state(1)[0] >> 1)
+
+
+#: ``lr_schedule`` choices: the lr of every round, or a cosine decay over the job's rounds
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def round_lr(lr: float, round_index: int, num_rounds: int, schedule: str = "constant",
+             final_fraction: float = 0.1) -> float:
+    """The local learning rate of one round.
+
+    ``cosine`` falls from ``lr`` at the first round to ``lr * final_fraction`` at the last, so the
+    global model's last rounds take small steps and the kept model depends less on which round
+    it is (the sites' updates stop swinging the average).
+
+    Args:
+        lr: the base learning rate.
+        round_index: the round (0-based).
+        num_rounds: the job's rounds.
+        schedule: one of :data:`LR_SCHEDULES`.
+        final_fraction: the last round's lr as a share of ``lr`` (``cosine`` only).
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule '{schedule}' unknown; choose one of {LR_SCHEDULES}")
+    if schedule == "constant" or num_rounds <= 1:
+        return float(lr)
+    progress = min(max(round_index, 0), num_rounds - 1) / (num_rounds - 1)
+    final = float(lr) * float(final_fraction)
+    return final + (float(lr) - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def seed_everything(seed: int) -> None:
