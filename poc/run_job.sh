@@ -65,6 +65,6 @@ NSITES="$(echo "$SITES" | tr ',' '\n' | grep -c .)"
   --site-names "$SITES" >/dev/null
 
 # submit, wait (printing round k/N, the key metric and time left), abort on timeout, download:
-# the same Python the tests use (fedpartial_tools.admin.run_job)
+# the same Python the tests use (fedpartial_tools.deploy.admin.run_job)
 "$PYTHON" -m fedpartial_tools.deploy run-job --admin-kit "$KIT" --job "$STATE/jobs/$NAME" --out "$STATE/results/$NAME" \
   --timeout "$TIMEOUT" --server-dir "$PROD/server" --latest-link

@@ -48,7 +48,7 @@ def running_system(root: Path, name: str, sites, site_policy: dict):
 
     import pytest
 
-    from fedpartial_tools import admin, processes, provision
+    from fedpartial_tools.deploy import admin, processes, provision
 
     @contextlib.contextmanager
     def system():
@@ -79,3 +79,32 @@ def running_system(root: Path, name: str, sites, site_policy: dict):
                 assert not left, f"processes left behind: {left}"
 
     return system()
+
+
+def package_modules(root: Path) -> dict:
+    """``{dotted name: file}`` of every module of the package at ``root`` (a package by its ``__init__``)."""
+    out = {}
+    for f in sorted(root.rglob("*.py")):
+        parts = f.relative_to(root.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def import_cycles(graph: dict) -> list:
+    """The import cycles of ``graph`` (``{module: modules it imports}``): every back edge of a
+    depth-first search, as the cycle it closes."""
+    state, cycles = {}, []
+
+    def visit(m, stack):
+        state[m] = "open"
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                cycles.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n, stack + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    return cycles

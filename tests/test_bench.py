@@ -10,9 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpartial_tools import bench, bench_report, bench_run, bench_suites
+from fedpartial_tools.bench import cli as bench, overlays, pseudo_labels, tables
+from fedpartial_tools.bench import readme as bench_readme
+from fedpartial_tools.bench import runner as bench_run, suites as bench_suites
 from fedpartial_tools.cli import build_parser
-from fedpartial_tools.jobtools import find_job
+from fedpartial_tools.jobs.folders import find_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,11 +73,11 @@ def _table_rows(md):
 
 
 def test_pseudo_label_records_and_csv(lsm_out):
-    md = bench_report.write_pseudo_label_report(str(lsm_out), "fedlsm-ham", log=lambda *_: None)
+    md = pseudo_labels.write_pseudo_label_report(str(lsm_out), "fedlsm-ham", log=lambda *_: None)
     assert md
     with open(lsm_out / "fedlsm-ham_pseudo_labels.csv") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == bench_report.PSEUDO_FIELDS
+    assert list(rows[0]) == pseudo_labels.PSEUDO_FIELDS
     # 2 seeds x (round 0: site-1 only, rounds 1-2: both sites) x 2 keys
     assert len(rows) == 2 * (1 + 2 + 2) * 2
     assert {r["job"] for r in rows} == {"fedlsm"}
@@ -90,7 +92,7 @@ def test_pseudo_label_records_and_csv(lsm_out):
 
 
 def test_pseudo_label_table_numbers(lsm_out):
-    md = bench_report.write_pseudo_label_report(str(lsm_out), "fedlsm-ham", log=lambda *_: None)
+    md = pseudo_labels.write_pseudo_label_report(str(lsm_out), "fedlsm-ham", log=lambda *_: None)
     assert (lsm_out / "fedlsm-ham_pseudo_labels.md").read_text() == md
     assert "| round | pseudo_precision | pseudo_recall | num_pseudo_positive: sum of sites (sites > 0) |" in md
     table = _table_rows(md)
@@ -104,7 +106,7 @@ def test_pseudo_label_table_numbers(lsm_out):
 def test_pseudo_label_report_absent_diagnostics(tmp_path):
     _write_metrics(str(tmp_path / "fedirm-ham" / "seed0" / "fedirm" / "metrics.json"), [{"site-1": {"loss": 1.0}}])
     notes = []
-    assert bench_report.write_pseudo_label_report(str(tmp_path), "fedirm-ham", log=notes.append) is None
+    assert pseudo_labels.write_pseudo_label_report(str(tmp_path), "fedirm-ham", log=notes.append) is None
     assert not list(tmp_path.glob("*_pseudo_labels.*")) and "--diagnostics" in notes[0]
 
 
@@ -112,11 +114,11 @@ def test_fedirm_precision_without_reliable_labels_is_undefined(tmp_path):
     _write_metrics(str(tmp_path / "fedirm-ham" / "seed0" / "fedirm" / "metrics.json"),
                    [{"site-1": {"reliable_fraction": 0.0, "pseudo_precision": 0.0},
                      "site-2": {"reliable_fraction": 0.5, "pseudo_precision": 0.6}}])
-    records = [r for r in bench_report.pseudo_label_records(str(tmp_path), "fedirm-ham") if r["key"] == "pseudo_precision"]
+    records = [r for r in pseudo_labels.pseudo_label_records(str(tmp_path), "fedirm-ham") if r["key"] == "pseudo_precision"]
     assert [(r["site"], r["value"]) for r in records] == [("site-1", None), ("site-2", 0.6)]
-    assert _table_rows(bench_report.pseudo_label_table(records))[0] == ["0.600"]
+    assert _table_rows(pseudo_labels.pseudo_label_table(records))[0] == ["0.600"]
     # the share of reliable pseudo labels is shown beside it, zero included: (0 + 0.5) / 2
-    table = bench_report.pseudo_label_table(bench_report.pseudo_label_records(str(tmp_path), "fedirm-ham"))
+    table = pseudo_labels.pseudo_label_table(pseudo_labels.pseudo_label_records(str(tmp_path), "fedirm-ham"))
     assert _table_rows(table)[0] == ["0.600", "0.250"]
 
 
@@ -124,12 +126,12 @@ def test_report_without_reference_labels_does_not_claim_them(tmp_path):
     # a FedIRM run without --diagnostics logs reliable_fraction only: no comparison with hidden labels
     _write_metrics(str(tmp_path / "fedirm-ham" / "seed0" / "fedirm" / "metrics.json"),
                    [{"site-1": {"reliable_fraction": 0.5}}])
-    md = bench_report.write_pseudo_label_report(str(tmp_path), "fedirm-ham", log=lambda *_: None)
+    md = pseudo_labels.write_pseudo_label_report(str(tmp_path), "fedirm-ham", log=lambda *_: None)
     assert "no hidden labels" in md and "against the hidden complete labels" not in md
     assert _table_rows(md)[0] == ["0.500"]
     _write_metrics(str(tmp_path / "fedirm-ham" / "seed0" / "fedirm" / "metrics.json"),
                    [{"site-1": {"reliable_fraction": 0.5, "pseudo_precision": 0.9}}])
-    assert "against the hidden complete labels" in bench_report.write_pseudo_label_report(str(tmp_path), "fedirm-ham")
+    assert "against the hidden complete labels" in pseudo_labels.write_pseudo_label_report(str(tmp_path), "fedirm-ham")
 
 
 def test_fedmlp_macro_over_classes_not_over_tag_kinds(tmp_path):
@@ -140,17 +142,17 @@ def test_fedmlp_macro_over_classes_not_over_tag_kinds(tmp_path):
         {"site-1": {"tag_precision_Atelectasis": 0.5, "tag_precision_Mass": 1.0, "tag_recall_Atelectasis": 0.2,
                     "tag_precision_pos": 0.9, "tags_total_pos": 12.0},
          "site-2": {"tag_precision_Atelectasis": 0.7, "tag_precision_pos": 0.5, "tags_total_pos": 0.0}}])
-    records = bench_report.pseudo_label_records(str(tmp_path), "fedmlp-nih")
-    md = bench_report.pseudo_label_table(records)
+    records = pseudo_labels.pseudo_label_records(str(tmp_path), "fedmlp-nih")
+    md = pseudo_labels.pseudo_label_table(records)
     assert "| round | tag_precision | tag_recall | tag_precision_pos | tags_total_pos: sum of sites (sites > 0) |" in md
     assert _table_rows(md)[0] == ["0.725", "0.200", "0.700", "12 (1/2)"]
 
 
 def test_shown_rounds():
-    assert bench_report.shown_rounds(range(20)) == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 19]
-    assert bench_report.shown_rounds(range(20), every=5) == [0, 5, 10, 15, 19]
-    assert bench_report.shown_rounds([2, 0, 1]) == [0, 1, 2]
-    assert bench_report.shown_rounds([]) == []
+    assert pseudo_labels.shown_rounds(range(20)) == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 19]
+    assert pseudo_labels.shown_rounds(range(20), every=5) == [0, 5, 10, 15, 19]
+    assert pseudo_labels.shown_rounds([2, 0, 1]) == [0, 1, 2]
+    assert pseudo_labels.shown_rounds([]) == []
 
 
 def test_bad_metrics_files_name_the_file(tmp_path):
@@ -158,23 +160,24 @@ def test_bad_metrics_files_name_the_file(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     with pytest.raises(ValueError, match="metrics.json is not valid JSON"):
-        bench_report.pseudo_label_records(str(tmp_path), "fedlsm-ham")
+        pseudo_labels.pseudo_label_records(str(tmp_path), "fedlsm-ham")
     path.write_text(json.dumps({"round": []}))
     with pytest.raises(ValueError, match="metrics.json has no 'rounds' list"):
-        bench_report.pseudo_label_records(str(tmp_path), "fedlsm-ham")
+        pseudo_labels.pseudo_label_records(str(tmp_path), "fedlsm-ham")
 
 
 # --- which jobs read the reference copies ----------------------------------------------------
 def test_diagnostics_reach_the_method_job_only(tmp_path, monkeypatch):
-    import fedpartial_tools.partition as partition
-    import fedpartial_tools.jobtools as jobtools
+    import fedpartial_tools.data.partition as partition
+    import fedpartial_tools.data.sites as sites
+    import fedpartial_tools.run.simulator as simulator
 
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "ham10000_28.npz").write_bytes(b"")
     calls = []
     monkeypatch.setattr(partition, "split_file", lambda *a, **k: None)
-    monkeypatch.setattr(jobtools, "dataset_overrides", lambda root: ["model.task=single-label"])
-    monkeypatch.setattr(jobtools, "simulate", lambda job, root, ws, sets, log=None: calls.append(
+    monkeypatch.setattr(sites, "dataset_overrides", lambda root: ["model.task=single-label"])
+    monkeypatch.setattr(simulator, "simulate", lambda job, root, ws, sets, log=None: calls.append(
         (os.path.basename(job), list(sets))))
     monkeypatch.setattr(bench_run, "_evaluate_row", lambda name, suite, job, seed, *a: {
         "suite": name, "method": job, "seed": seed, **{k: 0.5 for k in suite.metrics}})
@@ -229,7 +232,7 @@ def _masks():
 
 def test_overlay_colours_on_a_drawn_mask():
     truth, pred = _masks()
-    rgb = bench_report.overlay_rgb(np.zeros((4, 4), np.uint8), truth, pred, alpha=1.0)
+    rgb = overlays.overlay_rgb(np.zeros((4, 4), np.uint8), truth, pred, alpha=1.0)
     green, red, blue, black = [0, 1, 0], [1, 0, 0], [0, 0, 1], [0, 0, 0]
     assert rgb[0, 0].tolist() == green and rgb[0, 1].tolist() == green      # TP
     assert rgb[1, 0].tolist() == red and rgb[1, 1].tolist() == red          # FN
@@ -237,13 +240,13 @@ def test_overlay_colours_on_a_drawn_mask():
     assert rgb[2, 2].tolist() == black                                      # TN: the image
     # blended over an RGB image of grey 102/255 = 0.4 (mean of the channels): TN keeps 0.4
     img = np.full((4, 4, 3), 102, np.uint8)
-    rgb = bench_report.overlay_rgb(img, truth, pred, alpha=0.5)
+    rgb = overlays.overlay_rgb(img, truth, pred, alpha=0.5)
     np.testing.assert_allclose(rgb[0, 0], [0.2, 0.7, 0.2])
     np.testing.assert_allclose(rgb[1, 0], [0.7, 0.2, 0.2])
     np.testing.assert_allclose(rgb[3, 3], [0.2, 0.2, 0.7])
     np.testing.assert_allclose(rgb[2, 2], [0.4, 0.4, 0.4])
     with pytest.raises(ValueError, match="same"):
-        bench_report.overlay_rgb(np.zeros((4, 5)), truth, pred)
+        overlays.overlay_rgb(np.zeros((4, 5)), truth, pred)
 
 
 def test_plot_overlays_dice_per_panel(tmp_path):
@@ -254,7 +257,7 @@ def test_plot_overlays_dice_per_panel(tmp_path):
     truths = np.stack([truth, np.zeros_like(truth)])
     preds = {"a": np.stack([pred, np.zeros_like(pred)]), "b": np.stack([truth, pred])}
     path = str(tmp_path / "grid.png")
-    dice = bench_report.plot_overlays(images, truths, preds, path, title="t")
+    dice = overlays.plot_overlays(images, truths, preds, path, title="t")
     # a: image 0 Dice 2*2/(4+3) = 4/7; image 1 empty vs empty = 1. b: perfect, then 1 FP px on empty = 0
     np.testing.assert_allclose(dice["a"], [4 / 7, 1.0])
     np.testing.assert_allclose(dice["b"], [1.0, 0.0])
@@ -265,7 +268,7 @@ def test_write_overlays_uses_the_evaluation_path(tmp_path):
     import torch
 
     from fedpartial.data.npz import load_npz, save_npz
-    from fedpartial_tools.synthetic import make_segmentation
+    from fedpartial_tools.data.synthetic import make_segmentation
     from fedpartial.data.transforms import resize_dataset
     from fedpartial.evaluation import predict_split
     from fedpartial.metrics import segmentation_metrics
@@ -280,7 +283,7 @@ def test_write_overlays_uses_the_evaluation_path(tmp_path):
         torch.manual_seed(i)
         model = build_model("unet", 1, 1, channels=(4, 8), strides=(2,), num_res_units=0)
         save_model_file(tmp_path / name / "seed0" / job / "global_model.pt", model, meta)
-    path, dice = bench_report.write_overlays(name, str(tmp_path), 0, source, n_images=10, device="cpu")
+    path, dice = overlays.write_overlays(name, str(tmp_path), 0, source, n_images=10, device="cpu")
     assert path == str(tmp_path / f"{name}_overlays_seed0.png") and os.path.isfile(path)
     assert list(dice) == ["fedavg_seg", "fedavg_seg_full", "fedia", "fedia_no_correction", "fedia_keep_weighting",
                           "fedia_paper_threshold", "fedia_lesionwise", "fedia_lesionwise_late_retry"]
@@ -290,7 +293,7 @@ def test_write_overlays_uses_the_evaluation_path(tmp_path):
         probs = predict_split(model, test, "segmentation", meta_read["normalisation"], "cpu")
         expected = segmentation_metrics(probs > 0.5, test.labels > 0)["dice"]
         assert len(dice[job]) == 5 and np.mean(dice[job]) == pytest.approx(expected)
-    assert bench_report.overlay_indices(133, 4).tolist() == [0, 44, 88, 132]
+    assert overlays.overlay_indices(133, 4).tolist() == [0, 44, 88, 132]
 
 
 # --- README section --------------------------------------------------------------------------
@@ -314,7 +317,7 @@ def test_bench_commands(tmp_path):
     for r in rows[-len(bench_suites.SUITES["fedirm-ham"].jobs):]:
         r["rounds"] = 30.0
     out = os.path.join(bench_suites.REPO, "runs", "b")
-    cmds = bench_report.bench_commands(rows, out)
+    cmds = bench_readme.bench_commands(rows, out)
     assert cmds["fedlsm-ham"] == [
         "python -m fedpartial_tools bench --suite fedlsm-ham --seeds 0,1 --profile cpu --diagnostics "
         "--set rule_args.lr=0.01 --out runs/b",
@@ -326,35 +329,35 @@ def test_bench_commands(tmp_path):
     # quoting of settings with shell characters
     rows = _rows("fedlsm-ham", [0], {"profile": "gpu", "rounds": None, "sets": ['model.arch_args={"a": 1}'],
                                      "diagnostics": False})
-    assert "--profile gpu --set 'model.arch_args={\"a\": 1}' --out /elsewhere" in bench_report.bench_commands(
+    assert "--profile gpu --set 'model.arch_args={\"a\": 1}' --out /elsewhere" in bench_readme.bench_commands(
         rows, "/elsewhere")["fedlsm-ham"][0]
 
 
 def test_replace_between_markers(tmp_path):
     readme = tmp_path / "R.md"
-    readme.write_text(f"head\n{bench_report.README_BEGIN}\nold\n{bench_report.README_END}\ntail\n")
-    bench_report.replace_between_markers(str(readme), "new table\n")
-    assert readme.read_text() == f"head\n{bench_report.README_BEGIN}\nnew table\n{bench_report.README_END}\ntail\n"
-    bench_report.replace_between_markers(str(readme), "again")  # idempotent frame
-    assert readme.read_text() == f"head\n{bench_report.README_BEGIN}\nagain\n{bench_report.README_END}\ntail\n"
-    for text, msg in ((f"{bench_report.README_BEGIN}\n", "found 0"), (f"{bench_report.README_BEGIN}{bench_report.README_BEGIN}"
-                                                                      f"{bench_report.README_END}", "found 2"),
-                      (f"{bench_report.README_END}\n{bench_report.README_BEGIN}", "comes before")):
+    readme.write_text(f"head\n{bench_readme.README_BEGIN}\nold\n{bench_readme.README_END}\ntail\n")
+    bench_readme.replace_between_markers(str(readme), "new table\n")
+    assert readme.read_text() == f"head\n{bench_readme.README_BEGIN}\nnew table\n{bench_readme.README_END}\ntail\n"
+    bench_readme.replace_between_markers(str(readme), "again")  # idempotent frame
+    assert readme.read_text() == f"head\n{bench_readme.README_BEGIN}\nagain\n{bench_readme.README_END}\ntail\n"
+    for text, msg in ((f"{bench_readme.README_BEGIN}\n", "found 0"), (f"{bench_readme.README_BEGIN}{bench_readme.README_BEGIN}"
+                                                                      f"{bench_readme.README_END}", "found 2"),
+                      (f"{bench_readme.README_END}\n{bench_readme.README_BEGIN}", "comes before")):
         readme.write_text(text)
         with pytest.raises(ValueError, match=msg):
-            bench_report.replace_between_markers(str(readme), "x")
+            bench_readme.replace_between_markers(str(readme), "x")
         assert readme.read_text() == text  # untouched on error
 
 
 def test_update_readme_links_copies(tmp_path, lsm_out):
     out = lsm_out  # holds the FedLSM workspaces of the pseudo-label tests
     rows = _rows("fedlsm-ham", [0, 1], {"profile": "cpu", "rounds": None, "sets": [], "diagnostics": True})
-    bench_report.write_reports(rows, str(out))
-    bench_report.write_pseudo_label_report(str(out), "fedlsm-ham", log=lambda *_: None)
+    tables.write_reports(rows, str(out))
+    pseudo_labels.write_pseudo_label_report(str(out), "fedlsm-ham", log=lambda *_: None)
     (tmp_path / "repo").mkdir()
     readme = tmp_path / "repo" / "README.md"
-    readme.write_text(f"# x\n\n{bench_report.README_BEGIN}\n{bench_report.README_END}\n")
-    section = bench_report.update_readme(str(out), str(readme), copy_plots=str(tmp_path / "repo" / "docs" / "results"))
+    readme.write_text(f"# x\n\n{bench_readme.README_BEGIN}\n{bench_readme.README_END}\n")
+    section = bench_readme.update_readme(str(out), str(readme), copy_plots=str(tmp_path / "repo" / "docs" / "results"))
     text = readme.read_text()
     assert section.strip() in text
     copied = sorted(os.listdir(tmp_path / "repo" / "docs" / "results"))
@@ -366,21 +369,21 @@ def test_update_readme_links_copies(tmp_path, lsm_out):
     assert "python -m fedpartial_tools bench --suite fedlsm-ham --seeds 0,1 --profile cpu --diagnostics --out " in text
     assert "pseudo-label quality of `fedlsm`" in text and "| 1 | 0.775 ± 0.035 |" in text
     # without copies the links point into the bench folder, relative to the README
-    bench_report.update_readme(str(out), str(readme))
+    bench_readme.update_readme(str(out), str(readme))
     rel = os.path.relpath(str(out / "fedlsm-ham_curves.png"), str(tmp_path / "repo"))
     assert f"]({rel})" in readme.read_text()
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="results.csv"):
-        bench_report.update_readme(str(tmp_path / "empty"), str(readme))
+        bench_readme.update_readme(str(tmp_path / "empty"), str(readme))
 
 
 def test_variants_run_the_method_job_with_their_settings(monkeypatch, tmp_path):
     """A suite variant runs the method's job folder with its extra settings (and the diagnostics
     reference), under its own workspace and row name; an unknown job is refused by name."""
     calls = []
-    monkeypatch.setattr("fedpartial_tools.jobtools.simulate", lambda job, root, ws, sets, log=None: calls.append((job, ws, sets)))
-    monkeypatch.setattr("fedpartial_tools.partition.split_file", lambda *a, **k: None)
-    monkeypatch.setattr("fedpartial_tools.jobtools.dataset_overrides", lambda d: [])
+    monkeypatch.setattr("fedpartial_tools.run.simulator.simulate", lambda job, root, ws, sets, log=None: calls.append((job, ws, sets)))
+    monkeypatch.setattr("fedpartial_tools.data.partition.split_file", lambda *a, **k: None)
+    monkeypatch.setattr("fedpartial_tools.data.sites.dataset_overrides", lambda d: [])
     monkeypatch.setattr(bench_run, "_evaluate_row", lambda name, suite, job, seed, ws, source, sec, *scored: {"method": job})
     src = tmp_path / "dsb2018_nuclei_256.npz"
     src.write_bytes(b"")
@@ -395,7 +398,7 @@ def test_variants_run_the_method_job_with_their_settings(monkeypatch, tmp_path):
 
 
 def test_auc_axis_floor_keeps_low_bars_visible():
-    from fedpartial_tools.bench_report import auc_axis_floor
+    from fedpartial_tools.bench.plots import auc_axis_floor
 
     assert auc_axis_floor([0.9, 0.55]) == 0.4  # the usual floor
     assert auc_axis_floor([0.9, 0.376, float("nan")]) == pytest.approx(0.3)  # CT-ICH Subdural, 0.376
@@ -414,12 +417,12 @@ def test_every_profile_builds_a_model_that_runs_on_its_data(name):
     import torch
 
     from fedpartial.flare.common import build_model_from_settings, model_settings
-    from fedpartial_tools.jobtools import _config_paths, apply_overrides
+    from fedpartial_tools.jobs.settings import _config_paths, apply_overrides
 
     suite = bench_suites.SUITES[name]
     for profile, sets in suite.overrides.items():
         if suite.generator:  # made by the bench, not in ../shared/data
-            from fedpartial_tools import synthetic
+            from fedpartial_tools.data import synthetic
             images, names = getattr(synthetic, suite.generator)(n_train=2, n_val=2, n_test=2).splits["test"].images, \
                 ["lesion"]
         else:
@@ -466,19 +469,19 @@ def test_rows_from_before_a_suite_scored_a_metric_show_a_dash(tmp_path):
     old = _rows("fedirm-ham", [0], jobs=["fedavg", "fedavg_full", "fedirm", "fedirm_labelled_only"])
     for r in old:
         del r["auc_best"], r["f1_best"]
-    bench_report.write_reports(old, str(tmp_path))
-    rows = bench_report.read_rows(str(tmp_path / "results.csv"))
+    tables.write_reports(old, str(tmp_path))
+    rows = tables.read_rows(str(tmp_path / "results.csv"))
     new = _rows("fedirm-ham", [1], jobs=["fedavg", "fedavg_full", "fedirm"])
     for r in new:
         r["auc_best"] = {"fedavg": 0.8, "fedavg_full": 0.9, "fedirm": 0.86}[r["method"]]
-    md = bench_report.write_reports(rows + new, str(tmp_path))
+    md = tables.write_reports(rows + new, str(tmp_path))
     head = next(line for line in md.splitlines() if line.startswith("| job"))
     fedirm = next(line for line in md.splitlines() if line.startswith("| fedirm |"))
     column = head.split(" | ").index("auc_best")
     assert fedirm.split(" | ")[column] == "0.860"  # seed 1 only: seed 0 never scored it
     alone = next(line for line in md.splitlines() if line.startswith("| fedirm_labelled_only |"))
     assert alone.split(" | ")[column] == "–" and alone.split(" | ")[1] == "0.500"  # old rows only
-    fedirm_best = {r["seed"]: r["auc_best"] for r in bench_report.read_rows(str(tmp_path / "results.csv"))
+    fedirm_best = {r["seed"]: r["auc_best"] for r in tables.read_rows(str(tmp_path / "results.csv"))
                    if r["method"] == "fedirm"}
     assert fedirm_best == {0: "", 1: pytest.approx(0.86)}  # the old row's cell stays empty
 
@@ -487,8 +490,8 @@ def test_rows_from_before_a_suite_scored_a_metric_show_a_dash(tmp_path):
 def test_every_baseline_runs_with_its_methods_model_and_recipe(profile):
     """A row compares rules: in every suite each baseline gets the method's network, image size,
     rounds and whole local recipe (the bench's matched_sets)."""
-    from fedpartial_tools.bench_suites import job_settings, matched_sets
-    from fedpartial_tools.jobtools import SHARED_MODEL_KEYS, recipe_of
+    from fedpartial_tools.bench.suites import job_settings, matched_sets
+    from fedpartial_tools.jobs.matching import SHARED_MODEL_KEYS, recipe_of
 
     for name, suite in bench_suites.SUITES.items():
         method_task = job_settings(suite.method)["model"]["task"]
@@ -515,7 +518,7 @@ def test_shipped_method_jobs_are_the_cpu_profile_of_their_tables():
     """The CPU-profile figures (README's results, docs/RESULTS.md) are what the jobs do as shipped
     (docs/METHODS.md): the bench's CPU profile changes nothing on a suite's method job except the
     departures the suite names, with a reason."""
-    from fedpartial_tools.bench_suites import profile_departures
+    from fedpartial_tools.bench.suites import profile_departures
 
     for name, suite in bench_suites.SUITES.items():
         changed = profile_departures(suite, "cpu")
@@ -533,7 +536,7 @@ def test_shifted_test_metrics_come_from_the_shifted_images(tmp_path, monkeypatch
     from fedpartial.data.npz import save_npz
     from fedpartial.evaluation import evaluate_split
     from fedpartial.models import build_model, save_model_file
-    from fedpartial_tools import synthetic
+    from fedpartial_tools.data import synthetic
 
     suite = bench_suites.SUITES["fedlsm-ham"]
     assert suite.shifted_test == "acquisition_shift" and {"auc_shift", "f1_shift"} <= set(suite.metrics)
@@ -564,7 +567,7 @@ def test_fedia_lesions_job_is_what_the_real_lesion_suites_measure():
     """The leave-one-patient-out MS suites run jobs/fedia_lesions and its FedAvg baselines exactly
     as shipped (only classes and size fitted to the data), and the baselines share its model,
     rounds and recipe; fedia_lesions_paper is the same job with the paper's weighting."""
-    from fedpartial_tools.bench_suites import job_settings
+    from fedpartial_tools.bench.suites import job_settings
 
     for name in ("ms-p7-m2", "ms-p7-m3", "ms-p19-m2", "ms-p19-m3"):
         suite = bench_suites.SUITES[name]
@@ -593,7 +596,7 @@ def test_selection_scores_the_val_split_only_and_reuse_scores_the_saved_model(mo
     import torch
 
     from fedpartial.models import build_model, save_model_file
-    from fedpartial_tools import synthetic
+    from fedpartial_tools.data import synthetic
 
     data = synthetic.make_classification("single-label", num_classes=3, n_train=8, n_val=30, n_test=40,
                                          size=8, channels=3, seed=0)
@@ -617,9 +620,9 @@ def test_selection_scores_the_val_split_only_and_reuse_scores_the_saved_model(mo
     real_evaluate = evaluate_split
     monkeypatch.setattr("fedpartial.evaluation.evaluate_split",
                         lambda m, split, *a, **k: scored.append(len(split)) or real_evaluate(m, split, *a, **k))
-    monkeypatch.setattr("fedpartial_tools.partition.split_file", lambda *a, **k: None)
-    monkeypatch.setattr("fedpartial_tools.jobtools.dataset_overrides", lambda root: ["model.task=single-label"])
-    monkeypatch.setattr("fedpartial_tools.jobtools.simulate", fake_simulate)
+    monkeypatch.setattr("fedpartial_tools.data.partition.split_file", lambda *a, **k: None)
+    monkeypatch.setattr("fedpartial_tools.data.sites.dataset_overrides", lambda root: ["model.task=single-label"])
+    monkeypatch.setattr("fedpartial_tools.run.simulator.simulate", fake_simulate)
     run = lambda **kw: bench_run.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[0], jobs=["fedavg", "fedlsm"],
                                            data_dir=str(tmp_path / "data"), log=lambda *_: None, **kw)  # noqa: E731
     rows = run(score_on="val")
@@ -640,7 +643,7 @@ def test_selection_table_ranks_the_methods_settings_by_val_mean():
     rows = [{"suite": "fedlsm-ham", "method": m, "seed": s, "auc": v}
             for m, values in (("fedlsm", (0.80, 0.84)), ("fedlsm_renormalised", (0.85, 0.87)), ("fedavg", (0.90, 0.90)))
             for s, v in zip((0, 1), values)]
-    md = bench_report.selection_table("fedlsm-ham", rows)
+    md = tables.selection_table("fedlsm-ham", rows)
     lines = [line for line in md.splitlines() if line.startswith("| ")][1:]
     # fedlsm_renormalised 0.86 ranks above fedlsm 0.82; the baseline is listed but never chosen, whatever its score
     assert lines[0].startswith("| 1 | fedlsm_renormalised | rule_args.renormalise_missing=true | 0.8600 ± 0.0141 |")
@@ -653,23 +656,23 @@ def test_tables_give_the_sample_std_and_the_gap_share_of_the_means():
     rows = [{"suite": "fedia-dsb-m2", "method": m, "seed": s, "dice": v, "iou": v, "rounds": 30}
             for m, values in (("fedavg_seg", (0.60, 0.62)), ("fedavg_seg_full", (0.70, 0.70)), ("fedia", (0.64, 0.68)))
             for s, v in zip((0, 1), values)]
-    md = bench_report.suite_table("fedia-dsb-m2", rows)
+    md = tables.suite_table("fedia-dsb-m2", rows)
     assert "mean ± sample std (ddof 1) over seeds" in md
     # gap of the means: (0.66 - 0.61) / (0.70 - 0.61) = 55.6 %; std of (0.64, 0.68) = 0.02 * sqrt(2) = 0.028
     assert "| fedia | 0.660 ± 0.028 | 0.660 ± 0.028 | 56% | 56% |" in md
-    seeds = bench_report.per_seed_table("fedia-dsb-m2", rows, ["dice"])
+    seeds = tables.per_seed_table("fedia-dsb-m2", rows, ["dice"])
     assert "| job | dice seed 0 | dice seed 1 |" in seeds and "| fedia | 0.640 | 0.680 |" in seeds
 
 
 def test_last_rounds_range_and_its_column():
     # last 5 of [0.1, 0.9, 0.3, 0.5, 0.4, nan, 0.6]: 0.3 0.5 0.4 (nan left out) 0.6 -> 0.6 - 0.3
-    assert bench_report.last_rounds_range([0.1, 0.9, 0.3, 0.5, 0.4, float("nan"), 0.6]) == pytest.approx(0.3)
-    assert np.isnan(bench_report.last_rounds_range([0.4]))
+    assert tables.last_rounds_range([0.1, 0.9, 0.3, 0.5, 0.4, float("nan"), 0.6]) == pytest.approx(0.3)
+    assert np.isnan(tables.last_rounds_range([0.4]))
     rows = [{"suite": "fedia-dsb-m2", "method": m, "seed": s, "dice": 0.6, "iou": 0.5, "rounds": 30,
-             bench_report.LAST_ROUNDS_KEY: v}
+             tables.LAST_ROUNDS_KEY: v}
             for m, values in (("fedavg_seg", (0.10, 0.20)), ("fedavg_seg_full", (0.0, 0.0)), ("fedia", (0.05, 0.05)))
             for s, v in zip((0, 1), values)]
-    md = bench_report.suite_table("fedia-dsb-m2", rows)
+    md = tables.suite_table("fedia-dsb-m2", rows)
     assert "val dice range, last 5 rounds |" in md
     assert md.splitlines()[-3].endswith("| 0.150 ± 0.071 |")  # fedavg_seg: mean 0.15, std 0.1/sqrt(2)
 
@@ -682,12 +685,12 @@ def test_group_table_means_per_fold_and_over_folds():
                             "fedia_lesions": (0.20, 0.20)}}
     rows = [{"suite": suite, "method": job, "seed": s, key: v, "rounds": 30}
             for suite, jobs in values.items() for job, seeds in jobs.items() for s, v in zip((0, 1), seeds)]
-    md = bench_report.group_table("ms6", rows, key)
+    md = tables.group_table("ms6", rows, key)
     # p7: fedavg 0.25, full 0.5, fedia 0.4 -> gap 0.15 / 0.25 = 60 %; p2: (0.2 - 0.3) / 0.1 = -100 %
     assert "| ms6-p7-m2 | 2 | 0.250 | 0.500 | 0.400 | 60% |" in md
     assert "| ms6-p2-m3 | 2 | 0.300 | 0.400 | 0.200 | -100% |" in md
     # over folds: fedavg 0.275, full 0.45, fedia 0.30 -> 0.025 / 0.175 = 14 %
     assert "| mean of 2 suites |  | 0.275 | 0.450 | 0.300 | 14% |" in md
     assert md.endswith("fedia_lesions below fedavg_seg_lesions (means over seeds): ms6-p2-m3")
-    assert bench_report.group_table("ms6-r2", rows, key) == ""
-    assert "**ms6**" in bench_report.markdown_table(rows)
+    assert tables.group_table("ms6-r2", rows, key) == ""
+    assert "**ms6**" in tables.markdown_table(rows)

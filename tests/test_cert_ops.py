@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from fedpartial_tools import admin, processes, provision
+from fedpartial_tools.deploy import admin, processes, provision
 from helpers import tls_reply
 
 REPO = Path(__file__).resolve().parents[1]
@@ -184,7 +184,7 @@ def test_an_expired_certificate_of_the_right_root_ca_is_refused(system, tmp_path
 
 
 def test_a_job_needing_more_sites_than_connected_is_refused_before_submit(system, tmp_path):
-    from fedpartial_tools.jobtools import package_job
+    from fedpartial_tools.jobs.packaging import package_job
 
     job = package_job(str(REPO / "jobs" / "fedavg"), str(tmp_path / "fedavg"), ["num_rounds=1", "min_clients=3"])
     before = len(system["session"].list_jobs())

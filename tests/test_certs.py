@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 
-from fedpartial_tools import admin, certs, deploy, provision
+from fedpartial_tools.deploy import admin, certs, cli as deploy, provision
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning")

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from fedpartial.data.npz import load_npz, save_npz
-from fedpartial_tools.partition import assign_to_sites, keep_lesions, partition, split_file
+from fedpartial_tools.data.partition import assign_to_sites, keep_lesions, partition, split_file
 from fedpartial.data.sitefile import load_site_file, write_site_file
-from fedpartial_tools.synthetic import make_classification, make_segmentation
+from fedpartial_tools.data.synthetic import make_classification, make_segmentation
 from fedpartial.data.types import DataError, Dataset, Split
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -105,7 +105,7 @@ def test_site_file_mask_must_match_labels(tmp_path):
 def test_nifti_volumes_slice_to_2d(tmp_path):
     import nibabel as nib
 
-    from fedpartial_tools.nifti import load_nifti_pairs
+    from fedpartial_tools.data.nifti import load_nifti_pairs
 
     vol = np.random.default_rng(0).random((8, 8, 5)).astype(np.float32)
     mask = np.zeros((8, 8, 5), np.float32)

@@ -271,7 +271,7 @@ RAW = np.array([[0, 100], [150, 400]], np.uint16)  # slope 2, intercept -100 -> 
 
 
 def test_dicom_pixel_values_by_hand(tmp_path):
-    from fedpartial_tools.dicom import dicom_to_uint8
+    from fedpartial_tools.data.dicom import dicom_to_uint8
 
     _dicom(tmp_path / "own.dcm", RAW, slope=2, intercept=-100, window=(0, 400))
     # the file's window: centre 0 width 400 -> [-200, 200]; -100 -> 0.25*255 = 63.75 -> 64,
@@ -286,7 +286,7 @@ def test_dicom_pixel_values_by_hand(tmp_path):
 
 
 def test_dicom_manifest_forms(tmp_path):
-    from fedpartial_tools.dicom import load_dicom_folder
+    from fedpartial_tools.data.dicom import load_dicom_folder
 
     for name in ("a", "b", "c"):
         _dicom(tmp_path / f"{name}.dcm", RAW, window=(200, 400))
@@ -313,7 +313,7 @@ def test_dicom_manifest_forms(tmp_path):
     ("a.dcm,train,5", "line 2: class 5 outside 0..1"),
 ])
 def test_dicom_errors_name_the_line_or_file(tmp_path, rows, message):
-    from fedpartial_tools.dicom import load_dicom_folder
+    from fedpartial_tools.data.dicom import load_dicom_folder
 
     _dicom(tmp_path / "a.dcm", RAW)
     (tmp_path / "bad.dcm").write_bytes(b"DICM but not really")
@@ -331,7 +331,7 @@ def _nifti(path, array):
 
 
 def test_nifti_slices_scaling_and_binarisation(tmp_path):
-    from fedpartial_tools.nifti import load_nifti_pairs
+    from fedpartial_tools.data.nifti import load_nifti_pairs
 
     volume = np.arange(60, dtype=np.float32).reshape(4, 5, 3)  # voxel (i, j, k) = 15i + 3j + k
     mask = np.zeros((4, 5, 3), np.float32)
@@ -353,7 +353,7 @@ def test_nifti_slices_scaling_and_binarisation(tmp_path):
 
 
 def test_nifti_shape_mismatch_names_both_files(tmp_path):
-    from fedpartial_tools.nifti import load_nifti_pairs
+    from fedpartial_tools.data.nifti import load_nifti_pairs
 
     img = _nifti(tmp_path / "vol.nii.gz", np.zeros((4, 5, 3), np.float32))
     msk = _nifti(tmp_path / "short_mask.nii.gz", np.zeros((4, 5, 2), np.float32))

@@ -58,7 +58,7 @@ def write_sites(root: Path, keeps=(0.4, 0.7, 1.0), n_train=8, n_val=4):
 
 
 def run(job, data_root, workspace, sets):
-    from fedpartial_tools.jobtools import simulate
+    from fedpartial_tools.run.simulator import simulate
 
     summary = simulate(str(REPO / "jobs" / job), str(data_root), str(workspace), sets, timeout=240, log=lambda m: None)
     assert summary["exit_code"] == 0, summary["errors"]
@@ -148,7 +148,7 @@ def test_segmentation_result_scores_what_the_progress_lines_promised(tmp_path):
     from fedpartial.metrics.segmentation import pooled_validation
     from fedpartial.models.io import load_model_file
     from fedpartial_tools.evaluate import evaluate_data
-    from fedpartial_tools.jobtools import RoundProgress
+    from fedpartial_tools.run.progress import RoundProgress
 
     data_root = tmp_path / "sites"
     write_sites(data_root)

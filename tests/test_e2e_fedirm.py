@@ -47,7 +47,8 @@ def _write_split(out: Path, task: str, num_classes: int, channels: int) -> list:
     ("fedirm:multilabel", MULTI_LABEL, 5, 1),
 ])
 def test_fedirm_job_runs_and_relation_matrix_reaches_unlabelled_site(tmp_path, job, task, num_classes, channels):
-    from fedpartial_tools.jobtools import find_job, simulate
+    from fedpartial_tools.jobs.folders import find_job
+    from fedpartial_tools.run.simulator import simulate
     from fedpartial.models.io import load_model_file
 
     data_root = tmp_path / "sites"

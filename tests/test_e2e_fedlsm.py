@@ -53,7 +53,8 @@ def _write_split(out: Path, task: str, channels: int):
     ("fedlsm:multilabel", MULTI_LABEL, 1),
 ])
 def test_fedlsm_job_runs_and_counts_reach_the_server(tmp_path, job, task, channels):
-    from fedpartial_tools.jobtools import find_job, simulate
+    from fedpartial_tools.jobs.folders import find_job
+    from fedpartial_tools.run.simulator import simulate
     from fedpartial.models.io import load_model_file
 
     data_root = tmp_path / "sites"
@@ -100,7 +101,7 @@ def test_same_seed_gives_the_same_global_model(tmp_path):
     order their threads finish) end with bit-identical global weights."""
     import torch
 
-    from fedpartial_tools.jobtools import simulate
+    from fedpartial_tools.run.simulator import simulate
 
     data_root = tmp_path / "sites"
     data_root.mkdir()

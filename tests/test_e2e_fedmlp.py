@@ -48,7 +48,7 @@ def _write_split(out: Path):
 
 
 def test_fedmlp_job_tags_missing_classes(tmp_path):
-    from fedpartial_tools.jobtools import simulate
+    from fedpartial_tools.run.simulator import simulate
     from fedpartial.models.io import load_model_file
 
     data_root = tmp_path / "sites"

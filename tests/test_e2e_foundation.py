@@ -11,9 +11,10 @@ import pytest
 
 from fedpartial_tools.cli import main as cli
 from fedpartial.data.npz import save_npz
-from fedpartial_tools.partition import split_file
-from fedpartial_tools.synthetic import make_classification
-from fedpartial_tools.jobtools import dataset_overrides, simulate
+from fedpartial_tools.data.partition import split_file
+from fedpartial_tools.data.sites import dataset_overrides
+from fedpartial_tools.data.synthetic import make_classification
+from fedpartial_tools.run.simulator import simulate
 
 REPO = Path(__file__).resolve().parents[1]
 METHOD_JOBS = [j for j in sorted(os.listdir(REPO / "jobs")) if not j.startswith("fedavg")]

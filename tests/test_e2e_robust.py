@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from fedpartial.data.npz import save_npz
-from fedpartial_tools.jobtools import dataset_overrides, simulate
-from fedpartial_tools.partition import split_file
-from fedpartial_tools.synthetic import make_classification
+from fedpartial_tools.data.partition import split_file
+from fedpartial_tools.data.sites import dataset_overrides
+from fedpartial_tools.data.synthetic import make_classification
+from fedpartial_tools.run.simulator import simulate
 
 REPO = Path(__file__).resolve().parents[1]
 

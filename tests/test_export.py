@@ -42,7 +42,7 @@ def _model_file(path, arch="small_cnn", task="multi-label", names=("a", "b", "c"
 def _test_images(n=4, channels=1, size=(16, 16)):
     """Normalised test images as the model sees them."""
     from fedpartial.training.common import images_to_tensor
-    from fedpartial_tools.synthetic import make_classification
+    from fedpartial_tools.data.synthetic import make_classification
 
     data = make_classification(task="multi-label", num_classes=3, size=size[0], channels=channels, seed=0)
     return images_to_tensor(data.splits["test"].images[:n], NORM["mean"], NORM["std"])

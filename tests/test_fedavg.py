@@ -79,8 +79,8 @@ def test_semi_supervised_split_fedavg_is_the_labelled_sites_and_fedavg_full_all(
     site's; ``fedavg_full`` trains every site on its complete reference labels."""
     from fedpartial.algorithms.base import ClientContext, RoundInput, ServerContext
     from fedpartial.algorithms.fedavg import FedAvgServer, SupervisedClient
-    from fedpartial_tools.partition import partition
-    from fedpartial_tools.synthetic import make_classification
+    from fedpartial_tools.data.partition import partition
+    from fedpartial_tools.data.synthetic import make_classification
     from fedpartial.models import build_model
     from fedpartial.training.common import state_dict_numpy
 

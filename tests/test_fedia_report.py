@@ -1,9 +1,9 @@
-"""fedpartial_tools.fedia_report on a hand-made bench folder."""
+"""fedpartial_tools.bench.fedia_report on a hand-made bench folder."""
 from __future__ import annotations
 
 import json
 
-from fedpartial_tools import fedia_report
+from fedpartial_tools.bench import fedia_report
 
 
 def _val(share):

@@ -419,7 +419,7 @@ def test_fedlsm_multilabel_round_on_real_ct_ich(tmp_path):
     sites annotate a subtype they have no positive of), one round at every site, then AWPA. The
     counts the server sums are the sites' own annotated positives / negatives, by hand."""
     from fedpartial.data.npz import load_npz
-    from fedpartial_tools.partition import partition
+    from fedpartial_tools.data.partition import partition
     from fedpartial.data.transforms import resize_dataset
     from fedpartial.models import build_model
     from fedpartial.training.common import state_dict_numpy

@@ -222,7 +222,7 @@ def test_privacy_filters_in_a_job_config(tmp_path):
     from pathlib import Path
 
     from test_privacy import METHODS, REPO, write_sites
-    from fedpartial_tools.jobtools import simulate
+    from fedpartial_tools.run.simulator import simulate
 
     filters = [{"path": "fedpartial.flare.filters.StatisticsPrivacyFilter",
                 "args": {"preset": "fedlsm", "min_count": 5, "noise_sigma": {"class_counts": 2.0}}},
@@ -256,11 +256,11 @@ def test_privacy_filters_in_a_job_config(tmp_path):
 
 
 def test_privacy_measure_wires_the_percentile_filter_chain(tmp_path, monkeypatch):
-    """``python -m fedpartial_tools.privacy measure --percentile``: the filtered run gets SendWeightDiff in
+    """``python -m fedpartial_tools.bench.privacy measure --percentile``: the filtered run gets SendWeightDiff in
     and out, PercentilePrivacy after it, RestoreFullWeights on the server; the plain run none."""
     import json
 
-    from fedpartial_tools import privacy
+    from fedpartial_tools.bench import privacy
 
     import os
 
@@ -310,8 +310,9 @@ def test_every_job_whose_sites_send_statistics_ships_the_min_count_rule():
     import json
     from pathlib import Path
 
-    from fedpartial_tools.jobtools import _rule_of, find_job
-    from fedpartial_tools.recipes import RECIPES
+    from fedpartial_tools.jobs.folders import find_job
+    from fedpartial_tools.jobs.recipes import RECIPES
+    from fedpartial_tools.jobs.settings import _rule_of
 
     jobs = Path(__file__).resolve().parents[1] / "jobs"
     # the shipped folders and every other profile of the recipes (FedIRM's multi-label one sends vectors)

@@ -14,7 +14,7 @@ from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.flare.aggregators import RuleAggregator, check_weights
 from fedpartial.flare.common import GLOBAL_STATS, SITE_STATS
-from fedpartial_tools.jobtools import apply_overrides
+from fedpartial_tools.jobs.settings import apply_overrides
 from helpers import aggregator_fl_ctx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

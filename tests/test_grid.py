@@ -287,8 +287,8 @@ def _two_patient_npz(path):
 def test_harmonise_a_hand_built_npz_keeps_patients_slices_and_rater2(tmp_path):
     from fedpartial.data.npz import load_npz
     from fedpartial_tools.cli import main
-    from fedpartial_tools.harmonise import harmonise_npz
-    from fedpartial_tools.partition import split_file
+    from fedpartial_tools.data.harmonise import harmonise_npz
+    from fedpartial_tools.data.partition import split_file
 
     source = _two_patient_npz(tmp_path / "src.npz")
     agreement = _agreement(size=(12, 10))
@@ -336,7 +336,7 @@ MS_SOURCES = {"ms_flair_2patients.npz": (1.0, "LAS"), "ms_flair_isbi2015_4patien
 def test_both_real_ms_sources_come_to_one_grid(tmp_path):
     from scipy import ndimage
 
-    from fedpartial_tools.harmonise import harmonise_npz
+    from fedpartial_tools.data.harmonise import harmonise_npz
 
     agreement = InputAgreement()
     medians, lesion_medians = {}, {}

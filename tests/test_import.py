@@ -26,7 +26,7 @@ def _testdata(name, folder, new_name=None):
 
 # ---- DICOM ----------------------------------------------------------------------------------------
 def test_dicom_blank_cells_are_unannotated(tmp_path):
-    from fedpartial_tools.dicom import load_dicom_folder
+    from fedpartial_tools.data.dicom import load_dicom_folder
 
     _testdata("CT_small.dcm", tmp_path)
     _testdata("MR_small.dcm", tmp_path)
@@ -47,7 +47,7 @@ def test_dicom_blank_cells_are_unannotated(tmp_path):
 def test_dicom_window_presets_by_hand(tmp_path):
     import pydicom
 
-    from fedpartial_tools.dicom import WINDOW_PRESETS, dicom_to_uint8, parse_window
+    from fedpartial_tools.data.dicom import WINDOW_PRESETS, dicom_to_uint8, parse_window
 
     path = _testdata("CT_small.dcm", tmp_path)
     ds = pydicom.dcmread(path)
@@ -75,7 +75,7 @@ def test_dicom_window_presets_by_hand(tmp_path):
 def test_dicom_monochrome1_is_inverted(tmp_path):
     import pydicom
 
-    from fedpartial_tools.dicom import dicom_to_uint8
+    from fedpartial_tools.data.dicom import dicom_to_uint8
 
     ds = pydicom.dcmread(_testdata("CT_small.dcm", tmp_path))
     ds.PhotometricInterpretation = "MONOCHROME1"
@@ -87,7 +87,7 @@ def test_dicom_monochrome1_is_inverted(tmp_path):
 def test_dicom_multi_frame_gives_one_image_per_frame(tmp_path):
     import pydicom
 
-    from fedpartial_tools.dicom import load_dicom_folder
+    from fedpartial_tools.data.dicom import load_dicom_folder
 
     _testdata("rtdose.dcm", tmp_path)
     _testdata("rtdose.dcm", tmp_path, "rtdose_b.dcm")
@@ -112,7 +112,7 @@ def _png(path, array, mode=None):
 
 
 def test_png_rgb_and_blank_cells(tmp_path):
-    from fedpartial_tools.images import load_image_folder
+    from fedpartial_tools.data.images import load_image_folder
 
     a = np.zeros((6, 6, 3), np.uint8)
     a[..., 0] = 200  # red
@@ -137,7 +137,7 @@ def test_png_rgb_and_blank_cells(tmp_path):
 
 
 def test_png_grey_nih_labels_16bit_and_resize(tmp_path):
-    from fedpartial_tools.images import image_to_uint8, load_image_folder
+    from fedpartial_tools.data.images import image_to_uint8, load_image_folder
 
     _png(tmp_path / "x1.png", np.arange(16, dtype=np.uint8).reshape(4, 4) * 10)
     deep = np.array([[1000, 2000], [3000, 5000]], np.uint16)
@@ -163,7 +163,7 @@ def test_png_grey_nih_labels_16bit_and_resize(tmp_path):
 def test_png_single_label_column_and_palette(tmp_path):
     from PIL import Image
 
-    from fedpartial_tools.images import load_image_folder
+    from fedpartial_tools.data.images import load_image_folder
 
     palette = Image.new("P", (3, 3))
     palette.putpalette([0, 0, 0, 10, 20, 30] + [0] * 762)
@@ -203,7 +203,7 @@ def _volumes(tmp_path):
 
 
 def test_nifti_folders_pairs_csv_and_empty_slices(tmp_path):
-    from fedpartial_tools.nifti import load_nifti_pairs, pair_nifti_files, read_pairs_csv
+    from fedpartial_tools.data.nifti import load_nifti_pairs, pair_nifti_files, read_pairs_csv
 
     _volumes(tmp_path)
     images, masks, names = pair_nifti_files(str(tmp_path / "img"), str(tmp_path / "msk" / "*_seg.nii.gz"))
@@ -237,7 +237,7 @@ def test_nifti_folders_pairs_csv_and_empty_slices(tmp_path):
     ("file,split,a\nCT_small.dcm,training,1\n", "line 2: split 'training'"),
 ])
 def test_dicom_errors_name_file_row_and_column(tmp_path, csv_text, message):
-    from fedpartial_tools.dicom import load_dicom_folder
+    from fedpartial_tools.data.dicom import load_dicom_folder
 
     _testdata("CT_small.dcm", tmp_path)
     _testdata("MR_small.dcm", tmp_path)
@@ -248,8 +248,8 @@ def test_dicom_errors_name_file_row_and_column(tmp_path, csv_text, message):
 
 
 def test_image_and_nifti_errors(tmp_path):
-    from fedpartial_tools.images import load_image_folder
-    from fedpartial_tools.nifti import load_nifti_pairs, pair_nifti_files
+    from fedpartial_tools.data.images import load_image_folder
+    from fedpartial_tools.data.nifti import load_nifti_pairs, pair_nifti_files
 
     _png(tmp_path / "ok.png", np.zeros((4, 4), np.uint8))
     (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
@@ -294,9 +294,9 @@ def test_float_pixels_with_nan_or_inf_are_refused(tmp_path):
     import nibabel as nib
     from PIL import Image
 
-    from fedpartial_tools.dicom import dicom_to_uint8
-    from fedpartial_tools.images import image_to_uint8
-    from fedpartial_tools.nifti import load_nifti_pairs
+    from fedpartial_tools.data.dicom import dicom_to_uint8
+    from fedpartial_tools.data.images import image_to_uint8
+    from fedpartial_tools.data.nifti import load_nifti_pairs
 
     # finite floats are min-max scaled: 0, 1, 2, 3 -> 0, 85, 170, 255
     ok = _float_dicom(tmp_path / "ok.dcm", np.array([[0, 1], [2, 3]]))
@@ -325,7 +325,7 @@ def test_float_pixels_with_nan_or_inf_are_refused(tmp_path):
 def test_dicom_window_width_must_be_a_finite_number_above_0(tmp_path, width, shown):
     import pydicom
 
-    from fedpartial_tools.dicom import dicom_to_uint8, parse_window
+    from fedpartial_tools.data.dicom import dicom_to_uint8, parse_window
 
     ds = pydicom.dcmread(_testdata("CT_small.dcm", tmp_path))
     ds.WindowCenter, ds.WindowWidth = "40", width
@@ -343,7 +343,7 @@ def test_dicom_window_width_must_be_a_finite_number_above_0(tmp_path, width, sho
 def test_dicom_rescale_must_be_finite(tmp_path):
     import pydicom
 
-    from fedpartial_tools.dicom import dicom_to_uint8
+    from fedpartial_tools.data.dicom import dicom_to_uint8
 
     ds = pydicom.dcmread(_testdata("CT_small.dcm", tmp_path))
     ds.RescaleSlope = "NaN"
@@ -354,7 +354,7 @@ def test_dicom_rescale_must_be_finite(tmp_path):
 
 
 def test_window_centre_must_be_finite():
-    from fedpartial_tools.dicom import parse_window
+    from fedpartial_tools.data.dicom import parse_window
 
     with pytest.raises(DataError, match=r"^window 'nan,80': centre must be a finite number$"):
         parse_window("nan,80")
@@ -363,7 +363,7 @@ def test_window_centre_must_be_finite():
 
 
 def test_dicom_modalities_do_not_mix_unless_allowed(tmp_path, capsys):
-    from fedpartial_tools.dicom import load_dicom_folder
+    from fedpartial_tools.data.dicom import load_dicom_folder
 
     _testdata("CT_small.dcm", tmp_path)
     _testdata("CT_small.dcm", tmp_path, "CT_b.dcm")
@@ -386,7 +386,7 @@ def test_dicom_modalities_do_not_mix_unless_allowed(tmp_path, capsys):
 def test_nifti_image_and_mask_affines_must_agree(tmp_path):
     import nibabel as nib
 
-    from fedpartial_tools.nifti import load_nifti_pairs
+    from fedpartial_tools.data.nifti import load_nifti_pairs
 
     volume = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     nib.save(nib.Nifti1Image(volume, np.eye(4)), str(tmp_path / "p.nii.gz"))
@@ -413,7 +413,7 @@ def test_nifti_image_and_mask_affines_must_agree(tmp_path):
      r"line 3: not valid CSV \(field larger than field limit \(131072\)\)$"),
 ])
 def test_damaged_csv_names_file_and_line(tmp_path, capsys, content, message):
-    from fedpartial_tools.images import load_image_folder
+    from fedpartial_tools.data.images import load_image_folder
 
     _png(tmp_path / "ok.png", np.zeros((4, 4), np.uint8))
     _png(tmp_path / "ok2.png", np.zeros((4, 4), np.uint8))
@@ -429,7 +429,7 @@ def test_damaged_csv_names_file_and_line(tmp_path, capsys, content, message):
 
 
 def test_pairs_csv_short_row_names_file_and_line(tmp_path):
-    from fedpartial_tools.nifti import read_pairs_csv
+    from fedpartial_tools.data.nifti import read_pairs_csv
 
     _volumes(tmp_path)
     (tmp_path / "pairs.csv").write_text("image,mask,split\nimg/p1.nii.gz,msk/p1_seg.nii.gz\n")
@@ -441,8 +441,8 @@ def test_pairs_csv_short_row_names_file_and_line(tmp_path):
 def test_unreadable_files_and_decompression_bombs_name_the_file(tmp_path, monkeypatch, capsys):
     import PIL.Image
 
-    from fedpartial_tools import images
-    from fedpartial_tools.images import image_to_uint8, read_manifest
+    from fedpartial_tools.data import images
+    from fedpartial_tools.data.images import image_to_uint8, read_manifest
 
     _png(tmp_path / "big.png", np.zeros((6, 6), np.uint8))
     monkeypatch.setattr(PIL.Image, "MAX_IMAGE_PIXELS", 10)  # PIL refuses images over twice this: 36 > 20
@@ -476,7 +476,7 @@ def test_unreadable_files_and_decompression_bombs_name_the_file(tmp_path, monkey
 def test_nifti_import_prints_no_nvimagecodec_warning(tmp_path, caplog):
     import warnings
 
-    from fedpartial_tools.nifti import load_nifti_pairs, pair_nifti_files
+    from fedpartial_tools.data.nifti import load_nifti_pairs, pair_nifti_files
 
     _volumes(tmp_path)
     images, masks, names = pair_nifti_files(str(tmp_path / "img"), str(tmp_path / "msk"))
@@ -500,7 +500,7 @@ def test_nifti_import_prints_no_nvimagecodec_warning(tmp_path, caplog):
     ("image,label\n1,cat\n2,\n", "multi-label", "line 3's 'label' cell is empty"),
 ])
 def test_task_is_inferred_from_the_csv_with_a_reason(tmp_path, csv_text, task, reason):
-    from fedpartial_tools.images import read_manifest
+    from fedpartial_tools.data.images import read_manifest
 
     (tmp_path / "m.csv").write_text(csv_text)
     manifest = read_manifest(str(tmp_path / "m.csv"))
@@ -555,7 +555,7 @@ def test_scanner_like_ct_slices_round_trip_through_the_brain_window(tmp_path, ca
     the exact uint8 slices under the brain window (HU = v * 80/255 maps to v); the test rows become
     a test file in the source layout."""
     from fedpartial.data.npz import open_npz
-    from fedpartial_tools.dicom_example import write_hospital
+    from fedpartial_tools.data.dicom_example import write_hospital
 
     images = np.array([np.full((8, 8), v, np.uint8) for v in (0, 1, 128, 255)])
     images[2, 3, 4] = 77
@@ -584,7 +584,7 @@ def test_scanner_like_ct_slices_round_trip_through_the_brain_window(tmp_path, ca
 
 
 def test_a_test_set_with_a_blank_label_is_refused_naming_image_and_class(tmp_path, capsys):
-    from fedpartial_tools.dicom_example import write_hospital
+    from fedpartial_tools.data.dicom_example import write_hospital
 
     images = np.zeros((2, 8, 8), np.uint8)
     write_hospital(str(tmp_path / "t"), images, np.array([[1, 0], [0, 1]]), [1, 2], ["a", "b"], annotated=[0],
@@ -631,7 +631,8 @@ def test_cli_import_images_and_nifti(tmp_path, capsys):
 # ---- end to end -----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_imported_sites_train_one_fedavg_round(tmp_path):
-    from fedpartial_tools.jobtools import dataset_overrides, simulate
+    from fedpartial_tools.data.sites import dataset_overrides
+    from fedpartial_tools.run.simulator import simulate
 
     rng = np.random.default_rng(0)
     sites = tmp_path / "sites"
@@ -660,7 +661,8 @@ def test_imported_sites_train_one_fedavg_round(tmp_path):
 def test_imported_nifti_sites_train_one_segmentation_round(tmp_path, capsys):
     """NIfTI volumes + lesion masks -> `import nifti` at two sites -> one FedAvg-seg round, then
     `evaluate` on one imported site at its native resolution."""
-    from fedpartial_tools.jobtools import dataset_overrides, simulate
+    from fedpartial_tools.data.sites import dataset_overrides
+    from fedpartial_tools.run.simulator import simulate
 
     rng = np.random.default_rng(1)
     sites = tmp_path / "sites"

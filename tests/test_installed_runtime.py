@@ -29,9 +29,9 @@ import numpy as np
 import pytest
 
 from fedpartial.flare.common import runtime_identity
-from fedpartial_tools import admin, processes, provision
-from fedpartial_tools.bundle import site_bundle
-from fedpartial_tools.jobtools import package_job
+from fedpartial_tools.deploy import admin, processes, provision
+from fedpartial_tools.deploy.bundle import site_bundle
+from fedpartial_tools.jobs.packaging import package_job
 
 from test_provisioned import CLASSES, _write_sites
 
@@ -168,7 +168,7 @@ def test_job_carrying_code_is_refused_by_the_sites(system, tmp_path):
 def test_sites_refuse_a_job_for_another_runtime_version(system, tmp_path):
     """The sites' check (the server's, same message, is tested in test_flare_components): the job
     names another version for the sites only, so their refusal is what stops it."""
-    from fedpartial_tools.jobtools import set_runtime_version
+    from fedpartial_tools.jobs.packaging import set_runtime_version
 
     job = Path(package_job(str(REPO / "jobs" / "fedavg"), str(tmp_path / "fedavg_other"), OVERRIDES,
                            dataset=DATASET, with_code=False))

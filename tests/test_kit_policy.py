@@ -27,8 +27,8 @@ from nvflare.fuel.sec.authz import AuthzContext, Person
 from nvflare.security.security import FLAuthorizer
 
 from fedpartial.flare.allowed import CLASS_ALLOW_LIST
-from fedpartial_tools import provision
-from fedpartial_tools.provision_builders import JOB_LOG_STREAMER, SitePolicyBuilder
+from fedpartial_tools.deploy import provision
+from fedpartial_tools.deploy.builders import JOB_LOG_STREAMER, SitePolicyBuilder
 
 REPO = Path(__file__).resolve().parents[1]
 SITE_ORGS = {"site-1": "hospital_a", "site-2": "hospital_b"}  # localhost_project's orgs
@@ -106,9 +106,9 @@ def test_kits_carry_the_runtime_allow_list_in_place_of_flares(prod):
 def _exported_jobs(tmp_path: Path) -> list:
     """Every job folder a user can make with the repository's tooling: each recipe's every profile
     (``jobs --write`` exports the cpu ones), the shipped jobs/, and the privacy tool's filter variant."""
-    from fedpartial_tools.jobtools import package_job
-    from fedpartial_tools.privacy import filter_chain, filter_settings
-    from fedpartial_tools.recipes import RECIPES, export_job
+    from fedpartial_tools.bench.privacy import filter_chain, filter_settings
+    from fedpartial_tools.jobs.packaging import package_job
+    from fedpartial_tools.jobs.recipes import RECIPES, export_job
 
     jobs = [export_job(name, str(tmp_path / f"{name}-{profile}"), profile)
             for name, cls in RECIPES.items() for profile in cls.PROFILES]

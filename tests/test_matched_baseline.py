@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from fedpartial_tools.jobtools import find_job, job_settings, matched_sets
+from fedpartial_tools.jobs.folders import find_job
+from fedpartial_tools.jobs.matching import matched_sets
+from fedpartial_tools.jobs.settings import job_settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,7 +37,7 @@ def test_matched_sets_are_what_the_two_job_files_differ_in():
 
 
 def _method_profiles():
-    from fedpartial_tools.recipes import RECIPES
+    from fedpartial_tools.jobs.recipes import RECIPES
 
     for name in ("fedlsm", "fedmlp", "fedirm", "fedia"):
         for profile in RECIPES[name].PROFILES:

@@ -116,7 +116,8 @@ def _learnable(n, rng):
 @pytest.fixture(scope="module")
 def sim_run(tmp_path_factory):
     from fedpartial.data import sitefile
-    from fedpartial_tools.jobtools import find_job, simulate
+    from fedpartial_tools.jobs.folders import find_job
+    from fedpartial_tools.run.simulator import simulate
 
     tmp = tmp_path_factory.mktemp("card")
     root = tmp / "sites"

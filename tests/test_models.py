@@ -230,7 +230,7 @@ def test_every_job_lets_the_site_pick_the_memory_format():
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = sorted(glob.glob(os.path.join(repo, "jobs", "*", "app", "config", "config_fed_client.json")))
-    from fedpartial_tools.recipes import RECIPES
+    from fedpartial_tools.jobs.recipes import RECIPES
 
     assert len(paths) == len(RECIPES)
     for path in paths:

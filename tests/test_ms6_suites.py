@@ -13,12 +13,12 @@ import pytest
 from fedpartial.data.grid import AGREEMENT_KEY, InputAgreement, load_agreement
 from fedpartial.data.npz import load_npz
 from fedpartial.data.types import DataError
-from fedpartial_tools import bench, bench_run, bench_suites
-from fedpartial_tools.bench_suites import MS6_PATIENTS, SUITE_GROUPS, SUITES, job_settings, suite_names
+from fedpartial_tools.bench import cli as bench, runner as bench_run, suites as bench_suites
+from fedpartial_tools.bench.suites import MS6_PATIENTS, SUITE_GROUPS, SUITES, job_settings, suite_names
 from fedpartial_tools.cli import build_parser
-from fedpartial_tools.harmonise import (ROW_ID_BASE, StatedSource, back_to_native, combine_sources,
-                                        dice_pooled_native, harmonise_arrays, hold_out_patient, rater_agreement,
-                                        rater_agreement_file)
+from fedpartial_tools.data.harmonise import (ROW_ID_BASE, StatedSource, back_to_native, combine_sources,
+                                             dice_pooled_native, harmonise_arrays, hold_out_patient, rater_agreement,
+                                             rater_agreement_file)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -104,8 +104,10 @@ def test_ms6_jobs_carry_the_agreement_on_server_and_client():
     import torch
 
     from fedpartial.flare.common import build_model_from_settings, model_settings
-    from fedpartial_tools.jobtools import _components as jobtools_components
-    from fedpartial_tools.jobtools import _config_paths, apply_overrides, find_job, recipe_of
+    from fedpartial_tools.jobs.folders import find_job
+    from fedpartial_tools.jobs.matching import recipe_of
+    from fedpartial_tools.jobs.settings import _components as settings_components
+    from fedpartial_tools.jobs.settings import _config_paths, apply_overrides
 
     suite = SUITES["ms6-p3-m2"]
     sets = suite.agreement_sets()
@@ -135,7 +137,7 @@ def test_ms6_jobs_carry_the_agreement_on_server_and_client():
     assert paper["use_correction"] is True and paper["completeness_cap"] is None and paper["min_predicted_ratio"] == 0
     configs = {side: json.load(open(path)) for side, path in _config_paths(find_job("fedia:lesions")).items()}
     apply_overrides(configs, sets + suite.variants["fedia_lesions_paper"])
-    server = next(a for c, a in jobtools_components(configs["server"]) if c.endswith("RuleAggregator"))["rule_args"]
+    server = next(a for c, a in settings_components(configs["server"]) if c.endswith("RuleAggregator"))["rule_args"]
     assert server["completeness_max"] is None and server["max_weight_ratio"] is None  # the server's guards off
     assert job_settings("fedia_lesions", sets)["rule_args"]["use_correction"] is False  # as shipped
     assert bench_suites.profile_departures(suite) == ["model.input_agreement", "model.input_size"]
@@ -145,7 +147,7 @@ def test_ms6_jobs_carry_the_agreement_on_server_and_client():
 # ---- the data: combined, held out, split --------------------------------------------------------
 def _fake_run(monkeypatch):
     calls = []
-    monkeypatch.setattr("fedpartial_tools.jobtools.simulate",
+    monkeypatch.setattr("fedpartial_tools.run.simulator.simulate",
                         lambda job, root, ws, sets, log=None: calls.append((os.path.basename(job), root, list(sets))))
     monkeypatch.setattr(bench_run, "_evaluate_row", lambda name, suite, job, seed, ws, source, sec, *scored: {
         "suite": name, "method": job, "seed": seed})
@@ -232,7 +234,7 @@ def test_a_file_made_with_another_agreement_is_refused(sources, tmp_path):
     suite = SUITES["ms6-p2-m2"]
     made = bench_run.suite_source(suite, "cpu", str(sources), str(tmp_path))
     other = InputAgreement.from_dict({"size": [160, 192]})
-    from fedpartial_tools.harmonise import combine_npz
+    from fedpartial_tools.data.harmonise import combine_npz
 
     combine_npz(suite.combine, other, str(tmp_path / "_data" / suite.dataset), str(sources))
     os.remove(made)

@@ -26,7 +26,7 @@ def readme_block(name: str) -> str:
 def test_readme_own_data_walkthrough_runs_as_written(tmp_path):
     from fedpartial.data.npz import load_npz
     from fedpartial.data.sitefile import load_site_file
-    from fedpartial_tools.processes import live_workspace_processes
+    from fedpartial_tools.deploy.processes import live_workspace_processes
 
     own = tmp_path / "own"
     env = dict(os.environ, OWN=str(own), TMPDIR=str(tmp_path))

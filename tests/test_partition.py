@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from fedpartial_tools import partition as part
-from fedpartial_tools.partition import completeness_fractions, partition, write_partition
+from fedpartial_tools.data import partition as part
+from fedpartial_tools.data.partition import completeness_fractions, partition, write_partition
 from fedpartial.data.sitefile import load_site_file
 from fedpartial.data.types import DataError, Dataset, Split
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fedpartial_tools import admin, deploy, processes
-from fedpartial_tools.jobtools import dataset_overrides
+from fedpartial_tools.data.sites import dataset_overrides
+from fedpartial_tools.deploy import admin, cli as deploy, processes
 
 # POC and provisioned systems run one at a time, on one xdist worker (scripts/test.sh runs -n 2)
 pytestmark = pytest.mark.xdist_group("deployment")

@@ -17,10 +17,11 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.abstract.model import ModelLearnableKey, make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 
-from fedpartial_tools import admin, deploy, processes
+from fedpartial_tools.deploy import admin, cli as deploy, processes
 from fedpartial.flare.common import GLOBAL_STATS
 from fedpartial.flare.persistor import GLOBAL_MODEL_FILE, FedPartialPersistor
-from fedpartial_tools.jobtools import dataset_overrides, package_job
+from fedpartial_tools.data.sites import dataset_overrides
+from fedpartial_tools.jobs.packaging import package_job
 from fedpartial.models.io import load_model_file, read_model_file
 from test_poc import REPO, _env, poc_state  # noqa: F401  (poc_state: fixture that stops the system)
 

@@ -10,8 +10,9 @@ import torch
 
 from fedpartial.models import build_model, save_model_file
 from fedpartial_tools.cli import main
-from fedpartial_tools.predict import (Case, decide, decision_thresholds, image_cases, lesion_stats, nifti_cases,
-                                      predict_inputs)
+from fedpartial_tools.model.cases import Case, image_cases, nifti_cases
+from fedpartial_tools.model.decisions import decide, decision_thresholds
+from fedpartial_tools.model.predict import lesion_stats, predict_inputs
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 NORM = {"mean": 0.5, "std": 0.5}
@@ -179,7 +180,7 @@ def test_rgb_model_given_grey_images_fails_when_nothing_is_left(tmp_path, capsys
 
 # ---- DICOM ----------------------------------------------------------------------------------------
 def test_predict_dicom_folder_windows_as_import_and_names_bad_files(tmp_path, capsys):
-    from fedpartial_tools.dicom_example import write_ct_slice
+    from fedpartial_tools.data.dicom_example import write_ct_slice
 
     rng = np.random.default_rng(2)
     slices = rng.integers(0, 256, (3, 16, 16), dtype=np.uint8)

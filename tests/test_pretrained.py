@@ -273,9 +273,10 @@ def test_persistor_round0_model_from_pretrained_and_missing_file(tmp_path):
 @pytest.mark.slow
 def test_job_round0_global_model_is_the_pretrained_file(tmp_path):
     from fedpartial.data.npz import save_npz
-    from fedpartial_tools.partition import split_file
-    from fedpartial_tools.synthetic import make_classification
-    from fedpartial_tools.jobtools import dataset_overrides, simulate
+    from fedpartial_tools.data.partition import split_file
+    from fedpartial_tools.data.sites import dataset_overrides
+    from fedpartial_tools.data.synthetic import make_classification
+    from fedpartial_tools.run.simulator import simulate
 
     src = tmp_path / "src.npz"
     save_npz(make_classification("multi-label", num_classes=4, n_train=60, n_val=20, n_test=20, seed=1), str(src))

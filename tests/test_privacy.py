@@ -116,7 +116,8 @@ def run_recorded(tmp_path: Path, method: str, extra=(), data_root=None, kind=Non
     Returns (simulate summary, records, model state shapes, sites' train splits)."""
     from fedpartial.flare.common import build_model_from_settings, model_settings
     from fedpartial.flare.filters import add_result_filter, load_recorded
-    from fedpartial_tools.jobtools import package_job, simulate
+    from fedpartial_tools.jobs.packaging import package_job
+    from fedpartial_tools.run.simulator import simulate
 
     job, data_kind, sets = METHODS[method]
     data_root = data_root or tmp_path / "sites"

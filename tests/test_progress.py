@@ -4,7 +4,7 @@ import json
 import pytest
 
 from fedpartial_tools import cli
-from fedpartial_tools.jobtools import RoundProgress
+from fedpartial_tools.run.progress import RoundProgress
 
 
 def _metrics(path, rounds):
@@ -52,7 +52,7 @@ def test_progress_ignores_a_half_written_file(tmp_path):
     ({"ok": False, "exit_code": 1, "rounds_completed": 3, "num_rounds": 3, "errors": "boom", "workspace": "w"}, 1),
 ])
 def test_simulate_command_exits_non_zero_when_the_run_did_not_complete(monkeypatch, tmp_path, capsys, summary, code):
-    monkeypatch.setattr("fedpartial_tools.jobtools.simulate", lambda *a, **k: summary)
+    monkeypatch.setattr("fedpartial_tools.run.simulator.simulate", lambda *a, **k: summary)
     with pytest.raises(SystemExit) as e:
         cli.main(["simulate", "jobs/fedavg", "--data-root", str(tmp_path), "--workspace", str(tmp_path / "ws")])
     assert e.value.code == code
@@ -63,5 +63,5 @@ def test_simulate_command_exits_non_zero_when_the_run_did_not_complete(monkeypat
 
 def test_simulate_command_succeeds_silently_on_a_complete_run(monkeypatch, tmp_path):
     summary = {"ok": True, "exit_code": 0, "rounds_completed": 3, "num_rounds": 3, "errors": "", "workspace": "w"}
-    monkeypatch.setattr("fedpartial_tools.jobtools.simulate", lambda *a, **k: summary)
+    monkeypatch.setattr("fedpartial_tools.run.simulator.simulate", lambda *a, **k: summary)
     cli.main(["simulate", "jobs/fedavg", "--data-root", str(tmp_path), "--workspace", str(tmp_path / "ws")])

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpartial_tools import admin, processes, provision
+from fedpartial_tools.deploy import admin, processes, provision
 from helpers import tls_reply
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,7 +114,7 @@ def _session(kit: str, timeout: float = 30):
 
 @pytest.mark.slow
 def test_lead_runs_fedlsm_over_mtls_and_downloads_the_model(system, tmp_path):
-    from fedpartial_tools.jobtools import package_job
+    from fedpartial_tools.jobs.packaging import package_job
     from fedpartial.models.io import load_model_file
 
     data_root = tmp_path / "sites"
@@ -159,7 +159,7 @@ def test_lead_runs_fedlsm_over_mtls_and_downloads_the_model(system, tmp_path):
 def test_org_admin_may_not_submit(system, tmp_path):
     from nvflare.fuel.flare_api.api_spec import AuthorizationError
 
-    from fedpartial_tools.jobtools import package_job
+    from fedpartial_tools.jobs.packaging import package_job
 
     job = package_job(str(REPO / "jobs" / "fedavg"), str(tmp_path / "fedavg"), ["num_rounds=1"])
     session = _session(system["kits"]["org_admin"])

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from fedpartial_tools import recipes
-from fedpartial_tools.jobtools import apply_overrides, find_job, job_settings
+from fedpartial_tools.jobs import folders, profiles, recipes
+from fedpartial_tools.jobs.folders import find_job
+from fedpartial_tools.jobs.settings import apply_overrides, job_settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,7 +20,7 @@ def _client_rule_args(job_dir):
 
 
 def test_every_job_folder_is_its_recipes_export():
-    assert recipes.drift() == []
+    assert folders.drift() == []
     assert sorted(p.name for p in (REPO / "jobs").iterdir()) == sorted(recipes.RECIPES)
 
 
@@ -29,12 +30,12 @@ def test_a_hand_edit_or_a_stray_folder_is_reported_and_write_repairs_it(tmp_path
     server = jobs / "fedlsm/app/config/config_fed_server.json"
     server.write_text(server.read_text().replace('"num_rounds": 50', '"num_rounds": 7'))
     (jobs / "fedlsm_ham").mkdir()
-    problems = recipes.drift(str(jobs))
+    problems = folders.drift(str(jobs))
     assert any(p.startswith("jobs/fedlsm/app/config/config_fed_server.json differs") for p in problems), problems
     assert any(p.startswith("jobs/fedlsm_ham: no recipe") for p in problems), problems
     shutil.rmtree(jobs / "fedlsm_ham")
-    recipes.write_all(str(jobs))
-    assert recipes.drift(str(jobs)) == []
+    folders.write_all(str(jobs))
+    assert folders.drift(str(jobs)) == []
 
 
 def test_jobs_hold_only_what_departs_from_the_constructors():
@@ -70,7 +71,7 @@ def test_a_set_reaches_a_default_argument_on_every_rule_that_takes_it_and_a_typo
 
 def test_profiles_replace_the_dataset_folders(tmp_path):
     ctich = job_settings(find_job("fedmlp:ctich"))
-    assert ctich["model"]["class_names"] == recipes.CT_ICH
+    assert ctich["model"]["class_names"] == profiles.CT_ICH
     assert ctich["rule_args"]["lr"] == 0.001 and ctich["num_rounds"] == 30
     lesions = job_settings(find_job("fedia", "lesions"))["rule_args"]
     assert (lesions["loss"], lesions["lr"], lesions["use_correction"]) == ("dice_focal", 0.01, False)
@@ -108,7 +109,7 @@ def test_a_baseline_matched_to_its_method_takes_model_recipe_and_rounds():
     assert s["num_rounds"] == 30
     assert s["model"]["arch_args"] == {"width": 32, "depth": 4}
     assert s["model"]["in_channels"] == 1 and s["model"]["input_size"] == [64, 64]
-    assert s["model"]["class_names"] == recipes.HAM10000  # classes come from the data, not the method
+    assert s["model"]["class_names"] == profiles.HAM10000  # classes come from the data, not the method
     assert {k: s["rule_args"][k] for k in ("lr", "batch_size", "local_epochs")} == {
         "lr": 0.001, "batch_size": 32, "local_epochs": 1}
     assert list(s["rule_args"]["betas"]) == [0.9, 0.999] and s["rule_args"]["num_views"] == 2
@@ -120,7 +121,7 @@ def test_a_baseline_matched_to_its_method_takes_model_recipe_and_rounds():
     lsm = recipes.FedAvgFullRecipe.matched_to(recipes.FedLSMRecipe()).settings
     assert lsm["rule_args"]["local_epochs"] == 1.3 and lsm["rule_args"]["augmentation"] == "strong"
     assert lsm["num_rounds"] == 50
-    assert lsm["data_file"] == recipes.FULL_LABELS
+    assert lsm["data_file"] == profiles.FULL_LABELS
 
 
 def _sites_for(recipe_name, root):
@@ -192,7 +193,7 @@ def test_a_recipe_runs_in_flares_pocenv(tmp_path, monkeypatch):
     (code in app/custom) runs 1 round, the result comes back, and the system is stopped."""
     from nvflare.recipe import PocEnv
 
-    from fedpartial_tools import processes
+    from fedpartial_tools.deploy import processes
     from tests.test_e2e_fedlsm import _write_split
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -227,7 +228,7 @@ def test_package_job_takes_a_profile_and_a_typo_names_the_profiles(tmp_path):
     done = package("--profile", "ctich", "--name", "fedmlp_ctich")
     assert done.returncode == 0, done.stderr
     settings = job_settings(str(tmp_path / "job"))
-    assert settings["model"]["class_names"] == recipes.CT_ICH
+    assert settings["model"]["class_names"] == profiles.CT_ICH
     assert json.loads((tmp_path / "job/meta.json").read_text())["min_clients"] == 5
     assert (tmp_path / "job/app/custom/fedpartial").is_dir()  # the code travels, as for every packaged job
     typo = package("--profile", "ctih")

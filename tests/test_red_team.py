@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpartial_tools import admin
+from fedpartial_tools.deploy import admin
 from helpers import running_system
-from fedpartial_tools.jobtools import package_job
+from fedpartial_tools.jobs.packaging import package_job
 
 from test_provisioned import CLASSES, _write_sites
 

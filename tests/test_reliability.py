@@ -293,7 +293,7 @@ def _logs(ws: Path) -> str:
 
 def _crash_run(tmp_path, monkeypatch, min_clients):
     from test_privacy import SMALL, write_sites
-    from fedpartial_tools.jobtools import simulate
+    from fedpartial_tools.run.simulator import simulate
 
     from fedpartial.algorithms import registry
 
@@ -349,7 +349,7 @@ def test_site_crash_stops_the_job_clearly_when_min_clients_cannot_be_met(tmp_pat
 @pytest.mark.slow
 def test_wrong_class_names_stop_that_site_with_a_clear_message(tmp_path):
     from test_privacy import SMALL, write_sites
-    from fedpartial_tools.jobtools import simulate
+    from fedpartial_tools.run.simulator import simulate
 
     write_sites(tmp_path / "sites", "mismatch")
     bad = tmp_path / "bad"

@@ -1,8 +1,8 @@
-"""Which downloaded model is a job's result (fedpartial_tools.admin.result_model)."""
+"""Which downloaded model is a job's result (fedpartial_tools.deploy.admin.result_model)."""
 from __future__ import annotations
 
 from fedpartial.models import build_model, save_model_file
-from fedpartial_tools.admin import find_results, result_model
+from fedpartial_tools.deploy.admin import find_results, result_model
 
 
 def _save(path, task, arch, classes):

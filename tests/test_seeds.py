@@ -10,7 +10,7 @@ from fedpartial.algorithms.base import ClientContext, RoundInput
 from fedpartial.data.types import Split
 from fedpartial.models import build_model
 from fedpartial.training.common import round_seed, state_dict_numpy
-from fedpartial_tools.synthetic import make_classification, make_segmentation
+from fedpartial_tools.data.synthetic import make_classification, make_segmentation
 
 
 def test_round_seed_mixes_run_seed_site_and_round():

@@ -8,16 +8,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import import_cycles, package_modules
 
 from fedpartial.data.npz import save_npz
-from fedpartial_tools.jobtools import dataset_overrides, package_job, simulate
-from fedpartial_tools.partition import split_file
-from fedpartial_tools.synthetic import make_classification
+from fedpartial_tools.data.partition import split_file
+from fedpartial_tools.data.sites import dataset_overrides
+from fedpartial_tools.data.synthetic import make_classification
+from fedpartial_tools.jobs.packaging import package_job
+from fedpartial_tools.run.simulator import simulate
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = sorted(p.name for p in (REPO / "jobs").iterdir() if (p / "meta.json").is_file())
-# Modules of the tooling package: none may appear in a shipped tree.
-TOOLING = {p.stem for p in (REPO / "custom" / "fedpartial_tools").glob("*.py") if p.stem != "__init__"}
+# Modules of the tooling package and its subpackages: none may appear in a shipped tree.
+TOOLING = {p.stem for p in (REPO / "custom" / "fedpartial_tools").rglob("*.py") if p.stem != "__init__"}
 
 # Loaded by every Python process started with this folder on PYTHONPATH (the simulator's server
 # and clients too): hides the checkout's custom/ folder and the editable install, so fedpartial
@@ -67,31 +70,13 @@ def test_every_job_ships_the_runtime_package_and_no_tooling(packaged):
             for f in files:
                 bad = [m for m in _imports(f) if m.split(".")[0] == "fedpartial_tools"]
                 assert not bad, f"{job}: {f.relative_to(custom)} imports {bad}"
-    assert {"bench", "deploy", "throughput", "privacy", "cli", "jobtools", "importer"} <= TOOLING
+    assert {"runner", "provision", "throughput", "privacy", "cli", "packaging", "simulator", "importer"} <= TOOLING
 
 
 def test_the_runtime_package_has_no_import_cycle():
-    pkg = REPO / "custom" / "fedpartial"
-    module_of = {}
-    for f in pkg.rglob("*.py"):
-        parts = f.relative_to(pkg.parent).with_suffix("").parts
-        module_of[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    module_of = package_modules(REPO / "custom" / "fedpartial")
     graph = {m: {i for i in _imports(f) if i in module_of and i != m} for m, f in module_of.items()}
-    # a depth-first search for a back edge
-    state, cycles = {}, []
-
-    def visit(m, stack):
-        state[m] = "open"
-        for n in sorted(graph[m]):
-            if state.get(n) == "open":
-                cycles.append(stack[stack.index(n):] + [n])
-            elif n not in state:
-                visit(n, stack + [n])
-        state[m] = "done"
-
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [m])
+    cycles = import_cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 

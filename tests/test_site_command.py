@@ -10,7 +10,7 @@ import pytest
 
 from fedpartial.flare.site_config import load_site_config, offer_dataset
 from fedpartial.site import command as cli, kit as site_kit
-from fedpartial_tools import provision
+from fedpartial_tools.deploy import provision
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_A = "11111111-2222-3333-4444-555555555555"

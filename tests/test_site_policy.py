@@ -17,8 +17,8 @@ from nvflare.security.security import FLAuthorizer
 
 import fedpartial
 from fedpartial.flare.common import runtime_identity
-from fedpartial_tools import provision
-from fedpartial_tools.jobtools import package_job
+from fedpartial_tools.deploy import provision
+from fedpartial_tools.jobs.packaging import package_job
 
 REPO = Path(__file__).resolve().parents[1]
 VERSION = fedpartial.__version__

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedpartial_tools import admin
+from fedpartial_tools.deploy import admin
 from helpers import running_system
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def system(tmp_path_factory):
 
 
 def _job(tmp_path, overrides=(), name="fedlsm"):
-    from fedpartial_tools.jobtools import package_job
+    from fedpartial_tools.jobs.packaging import package_job
 
     base = ["num_rounds=2", "server.min_clients=2", f"model.class_names={json.dumps(CLASSES)}",
             "model.input_size=[16,16]", "model.in_channels=3", "model.arch_args.width=8", "rule_args.batch_size=16",

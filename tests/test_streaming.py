@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedpartial.data.sitefile import SiteFolderWriter, load_site_file, write_site_file
-from fedpartial_tools.synthetic import make_classification, make_segmentation
+from fedpartial_tools.data.synthetic import make_classification, make_segmentation
 from fedpartial.data.transforms import resize_dataset
 from fedpartial.data.types import DataError, Dataset
 from fedpartial.flare.executors import load_site_dataset, resolve_data_file
@@ -296,7 +296,7 @@ def test_predict_fills_the_whole_split_in_order_and_handles_an_empty_source():
 
 
 def test_streaming_benchmark_tiny(tmp_path, capsys):
-    from fedpartial_tools.streaming import main
+    from fedpartial_tools.bench.streaming import main
 
     report = main(["--images", "64", "--size", "32", "--out", str(tmp_path), "--steps", "2", "--batch-size", "16",
                    "--timeout", "300"])
@@ -429,7 +429,7 @@ def test_every_client_same_rounds_from_npz_and_folder(method, tmp_path):
 
 
 def test_streaming_benchmark_method_clients_tiny(tmp_path):
-    from fedpartial_tools.streaming import main
+    from fedpartial_tools.bench.streaming import main
 
     report = main(["--images", "32", "--size", "16", "--out", str(tmp_path), "--steps", "1", "--batch-size", "8",
                    "--clients", "fedlsm,fedia", "--modes", "streaming", "--timeout", "300"])

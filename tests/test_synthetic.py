@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from fedpartial_tools.synthetic import make_classification, make_segmentation
+from fedpartial_tools.data.synthetic import make_classification, make_segmentation
 
 
 def _equal(a, b):
@@ -74,8 +74,8 @@ def test_segmentation_instances_empty_and_touching():
 def test_small_lesions_are_sparse_small_and_whole_lesions_can_be_dropped():
     from scipy import ndimage
 
-    from fedpartial_tools.partition import partition
-    from fedpartial_tools.synthetic import make_small_lesions
+    from fedpartial_tools.data.partition import partition
+    from fedpartial_tools.data.synthetic import make_small_lesions
 
     data = make_small_lesions(n_train=60, n_val=4, n_test=4, size=96, seed=1)
     masks = np.asarray(data.splits["train"].labels)
@@ -93,7 +93,7 @@ def test_small_lesions_are_sparse_small_and_whole_lesions_can_be_dropped():
 
 
 def test_acquisition_shift_numbers_worked_by_hand():
-    from fedpartial_tools.synthetic import acquisition_shift
+    from fedpartial_tools.data.synthetic import acquisition_shift
 
     # grey 128, mean gain (1.12 + 0.96 + 0.82) / 3: (128 / 255 * 0.96667) ** 0.8 * 255 = 142.99;
     # a constant image keeps its value under the contrast step
@@ -118,7 +118,7 @@ def test_acquisition_shift_numbers_worked_by_hand():
 
 
 def test_premise_multilabel_draws_each_class_at_its_prevalence_with_shapes_near_the_noise():
-    from fedpartial_tools.synthetic import PREMISE_PREVALENCE, make_premise_multilabel, make_premise_multilabel_rare
+    from fedpartial_tools.data.synthetic import PREMISE_PREVALENCE, make_premise_multilabel, make_premise_multilabel_rare
 
     data = make_premise_multilabel(n_train=4000, n_val=10, n_test=10, seed=1)
     train = data.splits["train"]

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedpartial_tools.synthetic import make_classification, make_segmentation
+from fedpartial_tools.data.synthetic import make_classification, make_segmentation
 from fedpartial.data.types import MULTI_LABEL, SEGMENTATION, SINGLE_LABEL, Dataset
-from fedpartial_tools.throughput import RULES, hide_labels, methods_for, plain_loop, rule_throughput
+from fedpartial_tools.bench.throughput import RULES, hide_labels, methods_for, plain_loop, rule_throughput
 
 N_TRAIN = 32
 BATCH = 8
@@ -83,7 +83,7 @@ def test_a_method_on_the_wrong_task_is_refused():
 @pytest.mark.parametrize("task", [SINGLE_LABEL, MULTI_LABEL, SEGMENTATION])
 def test_plain_loop_runs_each_task(task):
     from fedpartial.models import build_model
-    from fedpartial_tools.throughput import _plain_targets
+    from fedpartial_tools.bench.throughput import _plain_targets
     from fedpartial.training.common import images_to_tensor
 
     data = _site(task)
@@ -100,7 +100,7 @@ def test_flare_overhead_from_a_drawn_metrics_file(tmp_path):
     (25 - 10) - 12 = 3 s and (45 - 25) - 15 = 5 s -> median 4 s."""
     import json
 
-    from fedpartial_tools.throughput import flare_overhead
+    from fedpartial_tools.bench.throughput import flare_overhead
 
     site = lambda seconds, stats: {"train_seconds": seconds, "bytes_weights": 1000, "bytes_stats": stats}  # noqa
     rounds = [{"round": 0, "aggregated_at": 10.0, "sites": {"a": site(9.0, 0), "b": site(8.0, 0)}},

@@ -13,7 +13,7 @@ import sys
 
 
 def _cmd_split(args):
-    from fedpartial_tools.partition import split_command
+    from fedpartial_tools.data.partition import split_command
 
     split_command(args)
 
@@ -21,7 +21,8 @@ def _cmd_split(args):
 def _with_matched(args, fitted):
     """The job's ``--set`` items: the data's, then the matched method's (``--matched-to``), then the
     user's, so that a ``--set`` wins."""
-    from fedpartial_tools.jobtools import find_job, matched_sets
+    from fedpartial_tools.jobs.folders import find_job
+    from fedpartial_tools.jobs.matching import matched_sets
 
     matched = []
     if args.matched_to:
@@ -31,7 +32,9 @@ def _with_matched(args, fitted):
 
 
 def _cmd_simulate(args):
-    from fedpartial_tools.jobtools import dataset_overrides, find_job, simulate
+    from fedpartial_tools.data.sites import dataset_overrides
+    from fedpartial_tools.jobs.folders import find_job
+    from fedpartial_tools.run.simulator import simulate
 
     sets = _with_matched(args, dataset_overrides(args.data_root) if args.fit_data else [])
     summary = simulate(find_job(args.job, args.profile), args.data_root, args.workspace, sets, threads=args.threads, timeout=args.timeout)
@@ -46,8 +49,10 @@ def _cmd_simulate(args):
 
 
 def _cmd_package(args):
-    from fedpartial_tools.provision import site_list
-    from fedpartial_tools.jobtools import check_min_clients, dataset_overrides, find_job, package_job
+    from fedpartial_tools.data.sites import dataset_overrides
+    from fedpartial_tools.deploy.provision import site_list
+    from fedpartial_tools.jobs.folders import find_job
+    from fedpartial_tools.jobs.packaging import check_min_clients, package_job
 
     fitted = []
     if args.fit_data or args.fit_data_from:
@@ -176,7 +181,7 @@ def _cmd_pseudo_labels(args):
 
 
 def _cmd_synthetic(args):
-    from fedpartial_tools import synthetic
+    from fedpartial_tools.data import synthetic
     from fedpartial.data.npz import save_npz
 
     if args.task == "segmentation":
@@ -200,7 +205,7 @@ def build_parser(developer: bool = False) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("split", help="partition one dataset into K site files with per-site label masks")
-    from fedpartial_tools.partition import add_split_arguments
+    from fedpartial_tools.data.partition import add_split_arguments
 
     add_split_arguments(s)
     s.set_defaults(func=_cmd_split)
@@ -292,18 +297,18 @@ def build_parser(developer: bool = False) -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.set_defaults(func=_cmd_synthetic)
 
-    from fedpartial_tools.export import add_export_parser
-    from fedpartial_tools.importer import add_import_parser
-    from fedpartial_tools.predict import add_predict_parser
+    from fedpartial_tools.data.importer import add_import_parser
+    from fedpartial_tools.model.export import add_export_parser
+    from fedpartial_tools.model.predict import add_predict_parser
 
     add_import_parser(sub)
     add_predict_parser(sub)
     add_export_parser(sub)
     if developer:
-        from fedpartial_tools.bench import add_bench_parser
-        from fedpartial_tools.harmonise import add_harmonise_parser
-        from fedpartial_tools.recipes import add_jobs_parser
-        from fedpartial_tools.throughput import add_throughput_parser
+        from fedpartial_tools.bench.cli import add_bench_parser
+        from fedpartial_tools.bench.throughput import add_throughput_parser
+        from fedpartial_tools.data.harmonise import add_harmonise_parser
+        from fedpartial_tools.jobs.folders import add_jobs_parser
 
         add_bench_parser(sub)
         add_throughput_parser(sub)

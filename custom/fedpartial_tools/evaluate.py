@@ -219,12 +219,12 @@ def _segmentation_result(counts: Dict[str, np.ndarray], resolutions, model_size)
 def data_sources(path: str):
     """What ``--data`` names: ``([path], False)`` for one file or one site folder (a folder with
     ``meta.json``, the streaming layout); ``(sites, True)`` for a folder of site files / site
-    folders (:func:`fedpartial_tools.jobtools.site_paths`: ``*.npz`` and ``*/meta.json`` directly
+    folders (:func:`fedpartial_tools.data.sites.site_paths`: ``*.npz`` and ``*/meta.json`` directly
     inside; sub-folders such as ``reference/`` are not read)."""
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "meta.json")):
             return [path], False
-        from fedpartial_tools.jobtools import site_paths
+        from fedpartial_tools.data.sites import site_paths
 
         try:
             return list(site_paths(path).values()), True
@@ -254,7 +254,7 @@ def evaluate_data(model, meta: dict, path: str, split: Optional[str] = None, dev
         device: torch device.
         threshold: one multi-label / segmentation probability threshold for every class; None = the
             model file's ``decision_thresholds``, else 0.5
-            (:func:`fedpartial_tools.predict.decision_thresholds`).
+            (:func:`fedpartial_tools.model.decisions.decision_thresholds`).
 
     Returns:
         for a file ``{"data", "split", "n", **metrics}``; for a folder ``{"data", "split", "n",
@@ -264,7 +264,7 @@ def evaluate_data(model, meta: dict, path: str, split: Optional[str] = None, dev
     Raises:
         DataError: a missing split, a task or class-name mismatch (messages name the file).
     """
-    from fedpartial_tools.predict import decision_thresholds
+    from fedpartial_tools.model.decisions import decision_thresholds
 
     files, is_folder = data_sources(path)
     task = meta["task"]

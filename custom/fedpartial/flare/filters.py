@@ -297,7 +297,7 @@ SENT_METRICS: Dict[str, Dict[str, str]] = {**fedavg.SENT_METRICS, **segmentation
 #: describes ``n_images`` val images: nothing of it leaves from fewer than k images. The pixel
 #: counts ``tp`` / ``fp`` / ``fn`` leave with ``n_images`` >= k only: the server pools them
 #: (``fedpartial.flare.selector.PooledModelSelector`` for the best model, the aggregator's and
-#: ``fedpartial_tools.jobtools``' ``pooled_validation``), which skips a site without them.
+#: the simulator's progress lines in ``fedpartial_tools.run.progress``), which skip a site without them.
 VALIDATION_METRICS: Dict[str, str] = {
     "auc": "value", "map": "value", "bacc": "value", "accuracy": "value", "f1": "value", "precision": "value",
     "recall": "value",

@@ -2,11 +2,11 @@
 kits), behind ``poc/*.sh`` and ``provisioning/*.sh`` (thin wrappers), plus the job-folder helpers
 they need (resource spec, task, demo data). The work itself lives by responsibility:
 
-* :mod:`fedpartial_tools.provision`: one-machine ``project.yml``, ``nvflare provision``, the kits'
+* :mod:`fedpartial_tools.deploy.provision`: one-machine ``project.yml``, ``nvflare provision``, the kits'
   environment (``kit_env``) and job store (``keep_server_storage_in``), the runtime wheel, Docker.
-* :mod:`fedpartial_tools.processes`: start a kit, stop its process group, find and end every
+* :mod:`fedpartial_tools.deploy.processes`: start a kit, stop its process group, find and end every
   process whose command line names a state folder (no broad ``pkill``).
-* :mod:`fedpartial_tools.admin`: admin kits and sessions, waiting for the sites, ``run_job``
+* :mod:`fedpartial_tools.deploy.admin`: admin kits and sessions, waiting for the sites, ``run_job``
   (submit, wait, download) and ``find_results``.
 
 Command line (used by the shell scripts)::
@@ -37,10 +37,11 @@ import sys
 import time
 from typing import Sequence
 
-from fedpartial_tools.admin import admin_kits, find_results, kit_sites, new_admin_session, run_job, wait_for_clients
-from fedpartial_tools.processes import kill_workspace_processes, live_workspace_processes
-from fedpartial_tools.provision import (build_runtime, docker_project, free_port, latest_prod_dir, localhost_project,
-                                        site_list, write_project)
+from fedpartial_tools.deploy.admin import (admin_kits, find_results, kit_sites, new_admin_session, run_job,
+                                           wait_for_clients)
+from fedpartial_tools.deploy.processes import kill_workspace_processes, live_workspace_processes
+from fedpartial_tools.deploy.provision import (build_runtime, docker_project, free_port, latest_prod_dir,
+                                               localhost_project, site_list, write_project)
 
 def set_resource_spec(job_dir: str, sites: Sequence[str], gpus: int, gpu_mem_gib: float = 0) -> dict:
     """Write ``resource_spec`` of a job's meta.json: each site needs ``gpus`` GPUs with
@@ -74,14 +75,14 @@ def demo_data(job_dir: str, out_dir: str, sites: int, shared_data: str = "") -> 
     """Site files for the demo of ``job_dir``: HAM10000 from ``../shared/data`` for single-label
     jobs when it is there, else the built-in synthetic data; the scenario follows the method.
     Returns the source ``.npz`` (its test split is what the demo evaluates on)."""
-    from fedpartial_tools import synthetic
+    from fedpartial_tools.data import synthetic
     from fedpartial.data.npz import save_npz
-    from fedpartial_tools.partition import split_file
+    from fedpartial_tools.data.partition import split_file
 
     task = job_model(job_dir).get("task", "multi-label")
     name = os.path.basename(os.path.abspath(job_dir))
-    shared_data = shared_data or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__)))), "..", "shared", "data")
+    shared_data = shared_data or os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))))), "..", "shared", "data")
     ham = os.path.abspath(os.path.join(shared_data, "ham10000_28.npz"))
     os.makedirs(out_dir, exist_ok=True)
     if task == "single-label" and os.path.isfile(ham) and sites >= 3:
@@ -177,13 +178,14 @@ def _cmd_demo_data(args):
 
 
 def _cmd_data_overrides(args):
-    from fedpartial_tools.jobtools import dataset_overrides
+    from fedpartial_tools.data.sites import dataset_overrides
 
     print("\n".join(dataset_overrides(args.data_root)))
 
 
 def _cmd_progress(args):
-    from fedpartial_tools.jobtools import RoundProgress, _config_paths
+    from fedpartial_tools.jobs.settings import _config_paths
+    from fedpartial_tools.run.progress import RoundProgress
 
     config = json.load(open(_config_paths(args.job)["server"]))
     progress = RoundProgress(int(config.get("num_rounds", 0)), str(config.get("key_metric", "")),
@@ -225,14 +227,14 @@ def _cmd_build_runtime(args):
 
 
 def _cmd_verify_runtime(args):
-    from fedpartial_tools.provision import verify_runtime
+    from fedpartial_tools.deploy.provision import verify_runtime
 
     for path in verify_runtime(args.wheel):
         print(f"{path}: OK")
 
 
 def _cmd_lock_site_requirements(args):
-    from fedpartial_tools.provision import check_site_lock, lock_site_requirements
+    from fedpartial_tools.deploy.provision import check_site_lock, lock_site_requirements
 
     started = time.time()
     out = lock_site_requirements(args.out or None, args.requirements or None, torch=args.torch,
@@ -249,7 +251,7 @@ def _cmd_offer_dataset(args):
 
 
 def _cmd_site_bundle(args):
-    from fedpartial_tools.bundle import site_bundle
+    from fedpartial_tools.deploy.bundle import site_bundle
 
     started = time.time()
     for b in site_bundle(args.prod_dir, args.out, wheel=args.wheel, install_root=args.install_root,
@@ -293,7 +295,7 @@ def _project_name(project_yml: str) -> str:
 
 
 def _cmd_renew_certs(args):
-    from fedpartial_tools.certs import renew
+    from fedpartial_tools.deploy.certs import renew
 
     names = renew(args.workspace, _project_name(args.project), args.names)
     print(f"new keys and certificates for {', '.join(names)} at the next provisioning of {args.workspace} "
@@ -301,7 +303,7 @@ def _cmd_renew_certs(args):
 
 
 def _cmd_join_ca(args):
-    from fedpartial_tools.certs import export_ca_dir
+    from fedpartial_tools.deploy.certs import export_ca_dir
 
     project = _project_name(args.project)
     prod = latest_prod_dir(args.workspace, project)

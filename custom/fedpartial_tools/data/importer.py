@@ -158,19 +158,19 @@ def write_test_file(data: Dataset, out: str) -> None:
 def _cmd_import(args):
     args.size = _size(args.size)
     if args.kind == "dicom":
-        from fedpartial_tools.dicom import load_dicom_folder
+        from fedpartial_tools.data.dicom import load_dicom_folder
 
         data = load_dicom_folder(args.folder, args.labels, class_names=_classes(args.classes), window=args.window,
                                  size=args.size, task=args.task, annotated_classes=_classes(args.annotated),
                                  allow_mixed_modality=args.allow_mixed_modality)
     elif args.kind == "images":
-        from fedpartial_tools.images import load_image_folder
+        from fedpartial_tools.data.images import load_image_folder
 
         data = load_image_folder(args.folder, args.labels, class_names=_classes(args.classes), task=args.task,
                                  size=args.size, channels=args.channels, annotated_classes=_classes(args.annotated),
                                  label_column=args.label_column)
     else:
-        from fedpartial_tools.nifti import load_nifti_pairs, pair_nifti_files, read_pairs_csv
+        from fedpartial_tools.data.nifti import load_nifti_pairs, pair_nifti_files, read_pairs_csv
 
         if args.pairs:
             if args.images or args.masks:

@@ -14,8 +14,9 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from fedpartial_tools.bench_report import LAST_ROUNDS_KEY, last_rounds_range, load_for_eval, write_overlays
-from fedpartial_tools.bench_suites import DEFAULT_DATA, REPO, SUITES, Suite, is_segmentation, matched_sets
+from fedpartial_tools.bench.overlays import load_for_eval, write_overlays
+from fedpartial_tools.bench.suites import DEFAULT_DATA, REPO, SUITES, Suite, is_segmentation, matched_sets
+from fedpartial_tools.bench.tables import LAST_ROUNDS_KEY, last_rounds_range
 
 
 def _curve(metrics_file: str, key: str) -> List[float]:
@@ -67,8 +68,10 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
         reuse: keep a job's trained workspace when it was trained with the same settings (e.g. by
             a ``score_on="val"`` run): its saved final model is scored, nothing is trained again.
     """
-    from fedpartial_tools.partition import split_file
-    from fedpartial_tools.jobtools import dataset_overrides, find_job, simulate
+    from fedpartial_tools.data.partition import split_file
+    from fedpartial_tools.data.sites import dataset_overrides
+    from fedpartial_tools.jobs.folders import find_job
+    from fedpartial_tools.run.simulator import simulate
 
     suite = SUITES[name]
     source = suite_source(suite, profile, data_dir, out_dir)
@@ -191,7 +194,7 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
            "rounds": len(json.load(open(os.path.join(ws, "metrics.json")))["rounds"]),
            "seconds": round(seconds, 1), "scored_on": score_on}
     if suite.shifted_test:
-        from fedpartial_tools import synthetic
+        from fedpartial_tools.data import synthetic
 
         shifted = dataclasses.replace(scored, images=getattr(synthetic, suite.shifted_test)(np.asarray(scored.images)))
         for k, v in evaluate_split(model, shifted, data.task, data.class_names, meta["normalisation"],
@@ -219,8 +222,8 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
 
 def native_scorer(info: dict, scored, where: str):
     """A function of the scored split's lesion probabilities giving the pooled Dice on the held-out
-    patient's native grid (:func:`fedpartial_tools.harmonise.dice_pooled_native`), for a file of
-    :func:`fedpartial_tools.harmonise.hold_out_patient`; None for any other file.
+    patient's native grid (:func:`fedpartial_tools.data.harmonise.dice_pooled_native`), for a file of
+    :func:`fedpartial_tools.data.harmonise.hold_out_patient`; None for any other file.
 
     Args:
         info: the scored file's info (``native`` and ``input_agreement``).
@@ -233,7 +236,7 @@ def native_scorer(info: dict, scored, where: str):
     """
     from fedpartial.data.grid import AGREEMENT_KEY, InputAgreement
     from fedpartial.data.types import DataError
-    from fedpartial_tools.harmonise import NATIVE_KEY, ROW_ID_BASE, dice_pooled_native, native_patient
+    from fedpartial_tools.data.harmonise import NATIVE_KEY, ROW_ID_BASE, dice_pooled_native, native_patient
 
     native = (info or {}).get(NATIVE_KEY)
     if not native:
@@ -306,7 +309,7 @@ def suite_source(suite: "Suite", profile: str, data_dir: str, out_dir: str) -> s
     if not suite.generator:
         raise FileNotFoundError(f"suite needs '{source}' (see ../shared/data/README.md)")
     from fedpartial.data.npz import save_npz
-    from fedpartial_tools import synthetic
+    from fedpartial_tools.data import synthetic
 
     made = os.path.join(out_dir, "_data", name)
     if not os.path.isfile(made):
@@ -318,9 +321,9 @@ def suite_source(suite: "Suite", profile: str, data_dir: str, out_dir: str) -> s
 def combined_source(suite: "Suite", name: str, data_dir: str, out_dir: str) -> str:
     """The file a suite with ``combine`` runs on, each made once into ``<out_dir>/_data``: its
     sources (in ``data_dir``) brought to the suite's agreement and combined as ``name``
-    (:func:`fedpartial_tools.harmonise.combine_npz`), then, with ``holdout_patient``, the
+    (:func:`fedpartial_tools.data.harmonise.combine_npz`), then, with ``holdout_patient``, the
     held-out copy ``<stem>_holdout<P>_val<percent>.npz``
-    (:func:`fedpartial_tools.harmonise.hold_out_patient`).
+    (:func:`fedpartial_tools.data.harmonise.hold_out_patient`).
 
     Args:
         suite: the suite.
@@ -334,7 +337,7 @@ def combined_source(suite: "Suite", name: str, data_dir: str, out_dir: str) -> s
     """
     from fedpartial.data.grid import AGREEMENT_KEY, InputAgreement, agreement_differences, load_agreement
     from fedpartial.data.arrays import read_info_json
-    from fedpartial_tools.harmonise import combine_npz, hold_out_patient
+    from fedpartial_tools.data.harmonise import combine_npz, hold_out_patient
 
     agreement = load_agreement(os.path.join(REPO, suite.agreement))
     combined = os.path.join(out_dir, "_data", name)
@@ -369,7 +372,7 @@ def use_second_rater(split_dir: str, source: str, sites: Sequence[str]) -> dict:
 
     Args:
         split_dir: a split of ``source`` (site files ``<site>.npz``).
-        source: the file the split was made from (:func:`fedpartial_tools.harmonise.hold_out_patient`).
+        source: the file the split was made from (:func:`fedpartial_tools.data.harmonise.hold_out_patient`).
         sites: site names, e.g. ``("site-1", "site-2")``.
 
     Returns:
@@ -383,7 +386,7 @@ def use_second_rater(split_dir: str, source: str, sites: Sequence[str]) -> dict:
     from fedpartial.data.npz import load_npz
     from fedpartial.data.sitefile import write_site_file
     from fedpartial.data.types import DataError, Dataset, Split
-    from fedpartial_tools.harmonise import HAS_RATER2_KEY, RATER2_KEY
+    from fedpartial_tools.data.harmonise import HAS_RATER2_KEY, RATER2_KEY
 
     arrays = open_npz(source)
     second = {}

@@ -15,7 +15,7 @@ import os
 import shutil
 from typing import List, Optional
 
-from fedpartial_tools.provision import SITE_LOCK, SITE_LOCK_CUDA, build_runtime
+from fedpartial_tools.deploy.provision import SITE_LOCK, SITE_LOCK_CUDA, build_runtime
 
 #: where the install commands put things on the participant's machine (INSTALL.md says how to change them)
 INSTALL_ROOT = "/opt/flare"

@@ -107,7 +107,7 @@ def run_job(session, job_dir: str, out_dir: str, timeout: float = 0.0, poll: flo
     """
     from nvflare.fuel.flare_api.api_spec import MonitorReturnCode
 
-    from fedpartial_tools.jobtools import check_min_clients
+    from fedpartial_tools.jobs.packaging import check_min_clients
 
     started = time.time()
     if check_sites:
@@ -118,7 +118,8 @@ def run_job(session, job_dir: str, out_dir: str, timeout: float = 0.0, poll: flo
         + (f" (timeout {timeout:.0f} s)" if timeout else ""))
     on_poll = None
     if server_dir:
-        from fedpartial_tools.jobtools import RoundProgress, _config_paths
+        from fedpartial_tools.jobs.settings import _config_paths
+        from fedpartial_tools.run.progress import RoundProgress
 
         config = json.load(open(_config_paths(job_dir)["server"]))
         progress = RoundProgress(int(config.get("num_rounds", 0)), str(config.get("key_metric", "")), log, started)

@@ -1,6 +1,6 @@
 """DICOM folder + CSV manifest reader (pydicom).
 
-The manifest is the CSV described in :mod:`fedpartial_tools.images` (shared with PNG / JPEG
+The manifest is the CSV described in :mod:`fedpartial_tools.data.images` (shared with PNG / JPEG
 folders), one row per DICOM file (an image or a multi-frame series):
 
 * ``file[,split],label[,patient_id]``: ``label`` is one class per row for single-label data (a
@@ -13,7 +13,7 @@ folders), one row per DICOM file (an image or a multi-frame series):
 ``file`` is relative to the folder; ``split`` (optional; absent = every row is ``train``) is
 ``train``, ``val`` or ``test``; ``patient_id`` (optional) keeps a patient's images on one site.
 The task is ``multi_label`` / ``task`` when given, else inferred from the CSV as
-:mod:`fedpartial_tools.images` describes. A multi-frame file gives one image per frame (id
+:mod:`fedpartial_tools.data.images` describes. A multi-frame file gives one image per frame (id
 ``file:frame``), each with the labels of its row. The files of one folder share one Modality
 (CT, MR...) unless ``allow_mixed_modality``.
 """
@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from fedpartial_tools.images import assemble, check_finite, read_manifest, resize_image
+from fedpartial_tools.data.images import assemble, check_finite, read_manifest, resize_image
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, DataError, Dataset
 
 SPLITS = ("train", "val", "test")

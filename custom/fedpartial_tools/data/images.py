@@ -1,5 +1,5 @@
 """PNG / JPEG folder + CSV reader (ISIC, NIH ChestX-ray14, Kaggle layouts) and the CSV manifest
-parsing shared with the DICOM reader (:mod:`fedpartial_tools.dicom`).
+parsing shared with the DICOM reader (:mod:`fedpartial_tools.data.dicom`).
 
 Manifest (CSV with a header row), one row per image (DICOM: per file / series):
 

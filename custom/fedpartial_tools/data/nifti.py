@@ -15,7 +15,7 @@ import numpy as np
 
 from fedpartial.data.grid import AGREEMENT_KEY, InputAgreement, to_agreed_grid
 from fedpartial.data.types import SEGMENTATION, DataError, Dataset, Split
-from fedpartial_tools.images import check_finite, read_csv_table
+from fedpartial_tools.data.images import check_finite, read_csv_table
 
 # Largest difference of two affines (mm, or direction cosines) still read as one voxel grid: float32
 # storage in the NIfTI header rounds at about 1e-5 mm.
@@ -131,7 +131,7 @@ def read_pairs_csv(pairs_csv: str) -> Tuple[List[str], List[str], List[str], Lis
 
     Raises:
         DataError: naming the CSV, line and column of a missing file, bad split or repeated image,
-            and the CSV for what :func:`fedpartial_tools.images.read_csv_table` refuses.
+            and the CSV for what :func:`fedpartial_tools.data.images.read_csv_table` refuses.
     """
     root = os.path.dirname(os.path.abspath(pairs_csv))
     columns, rows = read_csv_table(pairs_csv, "pairs CSV")

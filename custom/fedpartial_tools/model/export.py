@@ -159,7 +159,7 @@ def provenance(meta: Mapping, model_path: str) -> Dict:
 
 def _spec(meta: Mapping, size, thresholds: np.ndarray, model_path: str, override: Optional[float] = None) -> Dict:
     """The model's description shared by both formats."""
-    from fedpartial_tools.predict import threshold_source
+    from fedpartial_tools.model.decisions import threshold_source
 
     norm = meta["normalisation"]
     return {"task": meta["task"], "class_names": [str(c) for c in meta["class_names"]],
@@ -188,7 +188,7 @@ def export_torchscript(model_path: str, out_dir: str, size: Optional[Sequence[in
     from monai.data import save_net_with_metadata
 
     from fedpartial.models.io import load_model_file
-    from fedpartial_tools.predict import decision_thresholds
+    from fedpartial_tools.model.decisions import decision_thresholds
 
     model, meta = load_model_file(model_path)
     size = export_size(meta, size)
@@ -219,7 +219,7 @@ def bundle_metadata(meta: Mapping, size, thresholds: np.ndarray, model_path: str
     Args:
         meta: the model file's meta.
         size: the exported (H, W).
-        thresholds: the decision thresholds (:func:`fedpartial_tools.predict.decision_thresholds`).
+        thresholds: the decision thresholds (:func:`fedpartial_tools.model.decisions.decision_thresholds`).
         model_path: the model file.
         threshold: the ``--threshold`` that set ``thresholds``, if one did.
     """
@@ -347,7 +347,7 @@ def inference_config(meta: Mapping, size, thresholds: np.ndarray, bundle_root: s
         config.update({
             "postprocessing": {"_target_": "Compose", "transforms": []},
             "threshold_tensor": "$torch.tensor([float('nan') if v is None else v for v in @thresholds])",
-            # probability >= threshold; a null threshold decides by argmax (fedpartial_tools.predict.decide)
+            # probability >= threshold; a null threshold decides by argmax (fedpartial_tools.model.decisions.decide)
             "decide": "$lambda p: torch.where(torch.isnan(@threshold_tensor), torch.nn.functional.one_hot("
                       "p.argmax(-1), p.shape[-1]).bool(), p >= torch.nan_to_num(@threshold_tensor))",
             "write_header": f"$pathlib.Path(@output_dir).mkdir(parents=True, exist_ok=True) or pathlib.Path("
@@ -426,7 +426,7 @@ def export_monai_bundle(model_path: str, out_dir: str, size: Optional[Sequence[i
     from monai.data import save_net_with_metadata
 
     from fedpartial.models.io import load_model_file
-    from fedpartial_tools.predict import decision_thresholds
+    from fedpartial_tools.model.decisions import decision_thresholds
 
     model, meta = load_model_file(model_path)
     size = export_size(meta, size)
@@ -450,7 +450,7 @@ def export_monai_bundle(model_path: str, out_dir: str, size: Optional[Sequence[i
 
 
 def _size(text: Optional[str]):
-    from fedpartial_tools.importer import _size as parse
+    from fedpartial_tools.data.importer import _size as parse
 
     return parse(text)
 

@@ -21,9 +21,9 @@ from fedpartial.site.kit import keep_server_storage_in  # noqa: F401  (the site 
 DEFAULT_ADMINS = (("admin@hospital-a.org", "hospital_a", "project_admin"),
                   ("lead@hospital-a.org", "hospital_a", "lead"),
                   ("orgadmin@hospital-b.org", "hospital_b", "org_admin"))
-SITE_POLICY_BUILDER = "fedpartial_tools.provision_builders.SitePolicyBuilder"
+SITE_POLICY_BUILDER = "fedpartial_tools.provision_builders.SitePolicyBuilder"  # the stable public name (a shim)
 # the folder holding fedpartial_tools: on PYTHONPATH for `nvflare provision` (it imports the builder)
-TOOLS_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Root CA validity of the projects provisioned here (as provisioning/project*.yml); FLARE's default is 360
 # days, which also caps every participant's certificate, so renewing a site's kit could not go past it.
 ROOT_VALID_DAYS = 3650
@@ -60,7 +60,7 @@ def localhost_project(name: str, port: int, sites: Sequence[str], server_name: s
             projects use ``server`` with ``default_host: localhost``.
         admins: ``(email, org, role)`` triples.
         site_org: prefix of the sites' organisation names.
-        site_policy: args of :class:`fedpartial_tools.provision_builders.SitePolicyBuilder` (e.g.
+        site_policy: args of :class:`fedpartial_tools.deploy.builders.SitePolicyBuilder` (e.g.
             ``{"allow_byoc": False}``: installed runtime, no code with jobs; its defaults: the runtime's
             exact class allow-list, no log streaming, shell commands for the site's own org only);
             ``None`` = FLARE's default policy (byoc jobs allowed, as in POC).
@@ -193,7 +193,7 @@ def build_runtime(out_dir: str, timeout: float = 300, lock_file: Optional[str] =
     import tempfile
 
     import fedpartial
-    from fedpartial_tools.jobtools import NOT_SHIPPED
+    from fedpartial_tools.jobs.packaging import NOT_SHIPPED
 
     try:
         import tomllib

@@ -11,12 +11,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from fedpartial_tools import jobtools
-from fedpartial_tools.harmonise import StatedSource
+from fedpartial_tools.data.harmonise import StatedSource
+from fedpartial_tools.jobs import folders, matching, settings
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+REPO = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
 DEFAULT_DATA = os.path.abspath(os.path.join(REPO, "..", "shared", "data"))
 
 
@@ -41,20 +41,20 @@ class Suite:
     variants: Dict[str, List[str]] = field(default_factory=dict)
     # profile -> another file of the same data (e.g. the GPU profile's larger images)
     datasets: Dict[str, str] = field(default_factory=dict)
-    # a function of fedpartial_tools.synthetic that makes ``dataset`` (seed 0) when the data folder
+    # a function of fedpartial_tools.data.synthetic that makes ``dataset`` (seed 0) when the data folder
     # lacks it: written once into <out>/_data
     generator: str = ""
     # CPU-profile settings that differ from the method job as shipped, each with the reason (every
     # other CPU-profile setting is already the job's default: the shipped jobs reproduce the tables)
     cpu_departures: Dict[str, str] = field(default_factory=dict)
-    # a function of fedpartial_tools.synthetic that turns the test images into a shifted test set
+    # a function of fedpartial_tools.data.synthetic that turns the test images into a shifted test set
     # (another acquisition); each metric is reported again as "<metric>_shift"
     shifted_test: str = ""
     # leave-one-patient-out: this patient id of the dataset's train split is the test split, the
     # other patients' slices are shared out among the sites (made once into <out>/_data)
     holdout_patient: Optional[int] = None
     # sliced sources brought to ``agreement`` and combined into ``dataset``, made once into
-    # <out>/_data (fedpartial_tools.harmonise.combine_npz); with holdout_patient, that patient's
+    # <out>/_data (fedpartial_tools.data.harmonise.combine_npz); with holdout_patient, that patient's
     # slices are the test split (harmonise.hold_out_patient)
     combine: Tuple[StatedSource, ...] = ()
     # the input agreement (a JSON file, relative to the repository) the sources are brought to;
@@ -359,7 +359,7 @@ def suite_names(suites: Sequence[str] = (), groups: Sequence[str] = ()) -> List[
 def job_settings(job: str, sets: Sequence[str] = ()) -> dict:
     """The effective ``model`` block, client ``rule_args`` and ``num_rounds`` of a job (a name of
     ``jobs/``, ``RECIPE:PROFILE`` or a row of :data:`PROFILE_ROWS`) after ``sets``."""
-    return jobtools.job_settings(jobtools.find_job(PROFILE_ROWS.get(job, job)), sets)
+    return settings.job_settings(folders.find_job(PROFILE_ROWS.get(job, job)), sets)
 
 
 def profile_departures(suite: "Suite", profile: str = "cpu") -> List[str]:
@@ -377,16 +377,16 @@ def profile_departures(suite: "Suite", profile: str = "cpu") -> List[str]:
 
 def matched_sets(suite: "Suite", job: str, sets: Sequence[str] = ()) -> List[str]:
     """``--set`` items giving a baseline ``job`` of ``suite`` its method's model, local recipe and
-    rounds (:func:`fedpartial_tools.jobtools.matched_sets`), after the common ``sets``; ``[]`` for
+    rounds (:func:`fedpartial_tools.jobs.matching.matched_sets`), after the common ``sets``; ``[]`` for
     the method and its variants. FedIRM's like-for-like lower bound is its own job with the
     unlabelled sites never joining (the ``fedirm_labelled_only`` row)."""
     if suite.job_folder(job) == suite.job_folder(suite.method):
         return []
-    return jobtools.matched_sets(jobtools.find_job(suite.job_folder(suite.method)),
-                                 jobtools.find_job(suite.job_folder(job)), sets)
+    return matching.matched_sets(folders.find_job(suite.job_folder(suite.method)),
+                                 folders.find_job(suite.job_folder(job)), sets)
 
 
-# Small sparse lesions: MS-like slices made by fedpartial_tools.synthetic (128 px native,
+# Small sparse lesions: MS-like slices made by fedpartial_tools.data.synthetic (128 px native,
 # lesions 2-12 px across, 0.2 % of the pixels, 6 of 10 slices empty), the FedIA paper's site
 # completeness, training at native resolution. lesions-m*: the paper's plain Dice loss and uniform
 # batches for every job; lesions-dicece-m*: Dice + cross-entropy and half of each batch from

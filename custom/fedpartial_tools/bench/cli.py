@@ -1,9 +1,11 @@
 """``python -m fedpartial_tools bench`` / ``bench-report``: the command line of the bench, every
-method against its FedAvg baselines on real data (suites: :mod:`fedpartial_tools.bench_suites`,
-running: :mod:`fedpartial_tools.bench_run`, reports: :mod:`fedpartial_tools.bench_report`).
+method against its FedAvg baselines on real data (suites: :mod:`fedpartial_tools.bench.suites`,
+running: :mod:`fedpartial_tools.bench.runner`, reports: :mod:`~fedpartial_tools.bench.tables`,
+:mod:`~fedpartial_tools.bench.plots`, :mod:`~fedpartial_tools.bench.pseudo_labels`,
+:mod:`~fedpartial_tools.bench.overlays`, :mod:`~fedpartial_tools.bench.readme`).
 
 A *suite* names a dataset, a partition scenario, the method job and its baselines; ``--suite-group``
-runs a group of suites (``bench_suites.SUITE_GROUPS``, e.g. ``ms6``: six MS patients held out in
+runs a group of suites (``suites.SUITE_GROUPS``, e.g. ``ms6``: six MS patients held out in
 turn at two completeness settings). For each seed
 the bench makes the split (seeded), runs each job in the FLARE simulator with the same seed and
 rounds, evaluates the final global model on the source file's test split, and writes
@@ -26,11 +28,13 @@ from __future__ import annotations
 
 import os
 
-from fedpartial_tools.bench_report import (README_BEGIN, README_END, SELECTION_CSV, copy_outputs, markdown_table,
-                                           plot_results, read_rows, seed_dirs, update_readme, write_overlays,
-                                           write_pseudo_label_report, write_reports, write_selection)
-from fedpartial_tools.bench_run import run_suite, split_source
-from fedpartial_tools.bench_suites import DEFAULT_DATA, SUITE_GROUPS, SUITES, is_segmentation, suite_names
+from fedpartial_tools.bench.overlays import write_overlays
+from fedpartial_tools.bench.plots import plot_results
+from fedpartial_tools.bench.pseudo_labels import seed_dirs, write_pseudo_label_report
+from fedpartial_tools.bench.readme import README_BEGIN, README_END, copy_outputs, update_readme
+from fedpartial_tools.bench.runner import run_suite, split_source
+from fedpartial_tools.bench.suites import DEFAULT_DATA, SUITE_GROUPS, SUITES, is_segmentation, suite_names
+from fedpartial_tools.bench.tables import SELECTION_CSV, markdown_table, read_rows, write_reports, write_selection
 
 
 def _cmd_bench(args):
