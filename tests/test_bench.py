@@ -694,3 +694,10 @@ def test_group_table_means_per_fold_and_over_folds():
     assert md.endswith("fedia_lesions below fedavg_seg_lesions (means over seeds): ms6-p2-m3")
     assert tables.group_table("ms6-r2", rows, key) == ""
     assert "**ms6**" in tables.markdown_table(rows)
+
+
+def test_no_gap_share_where_the_upper_bound_is_not_above_the_lower():
+    assert tables.gap_closed(0.60, 0.50, 0.70) == pytest.approx(0.5)
+    # FedAvg full 0.632 below FedAvg partial 0.638: (0.573 - 0.638) / (-0.006) would read as 1083 %
+    assert np.isnan(tables.gap_closed(0.573, 0.638, 0.632))
+    assert np.isnan(tables.gap_closed(0.6, 0.5, 0.5))

@@ -14,7 +14,8 @@ from fedpartial_tools.bench.suites import GROUP_METRICS, SUITE_GROUPS, SUITES, s
 
 
 def gap_closed(value: float, lower: float, upper: float) -> float:
-    """Share of the lower→upper gap that ``value`` closes (NaN when the gap is ~0).
+    """Share of the lower→upper gap that ``value`` closes; NaN when there is no gap to close (the
+    upper bound at or below the lower one: a ratio of a negative gap reads as a share and is none).
 
     Args:
         value: the method's metric.
@@ -22,7 +23,7 @@ def gap_closed(value: float, lower: float, upper: float) -> float:
         upper: the upper bound's (FedAvg on complete labels).
     """
     gap = upper - lower
-    return float("nan") if not np.isfinite(gap) or abs(gap) < 1e-9 else (value - lower) / gap
+    return float("nan") if not np.isfinite(gap) or gap < 1e-9 else (value - lower) / gap
 
 
 def add_gap_columns(rows: List[dict]) -> None:
