@@ -335,7 +335,7 @@ def _fedia(tmp_path):
     logit_map[1:3, 1:3] = logit_map[5:7, 5:7] = 3.0
     ious = {0: 0.1, 1: 0.2, 2: 0.25, 3: 0.1}
     rule = FedIAClient(warmup_rounds=2)
-    rule.train_on = lambda model, masks, r: (0.4, ious[r], 1)  # the trend decides, not real training
+    rule.train_on = lambda model, masks, r, num_rounds: (0.4, ious[r], 1)  # the trend decides, not real training
     rule.setup(_client_ctx(tmp_path / "fedia", data, reference))
     out = [rule.train_round(_MapModel(logit_map), RoundInput(r, 4)) for r in range(4)]
     seg = SegmentationSupervisedClient(batch_size=2)
