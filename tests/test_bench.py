@@ -701,3 +701,13 @@ def test_no_gap_share_where_the_upper_bound_is_not_above_the_lower():
     # FedAvg full 0.632 below FedAvg partial 0.638: (0.573 - 0.638) / (-0.006) would read as 1083 %
     assert np.isnan(tables.gap_closed(0.573, 0.638, 0.632))
     assert np.isnan(tables.gap_closed(0.6, 0.5, 0.5))
+
+
+def test_group_table_of_a_run_without_the_method():
+    # a bench run of the baselines only: the table has their means and no share, and names no fold
+    key = "dice_pooled_native"
+    rows = [{"suite": "ms6-p7-m2", "method": job, "seed": 0, key: v, "rounds": 30}
+            for job, v in (("fedavg_seg_lesions", 0.2), ("fedavg_seg_full_lesions", 0.5))]
+    md = tables.group_table("ms6", rows, key)
+    assert "| ms6-p7-m2 | 1 | 0.200 | 0.500 | – |" in md
+    assert md.endswith("fedia_lesions below fedavg_seg_lesions (means over seeds): on no suite")

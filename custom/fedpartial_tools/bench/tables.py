@@ -47,7 +47,7 @@ def last_rounds_range(curve: List[float], rounds: int = LAST_ROUNDS) -> float:
     how far apart methods' scores can be by keeping one round rather than another.
 
     Args:
-        curve: the per-round validation scores (:func:`_curve`).
+        curve: the per-round validation scores (``bench.runner._curve``).
         rounds: how many of the last rounds.
     """
     last = [v for v in curve[-int(rounds):] if np.isfinite(v)]
@@ -169,13 +169,20 @@ def suite_table(name: str, rows: List[dict]) -> str:
         if not jr:
             continue
         cells = [job] + [_fmt([_value(r, k) for r in jr]) for k in suite.metrics]
-        for k in suite.metrics[:2]:
-            gap = gap_of_means(jr, lower, upper, k)
-            cells.append(f"{gap:.0%}" if np.isfinite(gap) else "–")
+        cells += [_share(gap_of_means(jr, lower, upper, k)) for k in suite.metrics[:2]]
         if spread:
             cells.append(_fmt([_value(r, LAST_ROUNDS_KEY) for r in jr]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _share(gap: float) -> str:
+    """A gap share as a table cell ("–" where there is none)."""
+    return f"{gap:.0%}" if np.isfinite(gap) else "–"
+
+
+def _mean_cell(mean: float) -> str:
+    return f"{mean:.3f}" if np.isfinite(mean) else "–"
 
 
 def group_table(group: str, rows: List[dict], key: str) -> str:
@@ -199,29 +206,25 @@ def group_table(group: str, rows: List[dict], key: str) -> str:
     lines = [f"**{group}**: {key}, each job's mean over seeds per suite "
              f"({TABLE_DEFINITIONS.format(lower=first.lower, upper=first.upper)})", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    means: Dict[str, List[float]] = {job: [] for job in jobs}
+    means: Dict[str, List[float]] = {}  # job -> its mean over seeds, per suite
     below = []
     for name in names:
-        sub = [r for r in rows if r["suite"] == name]
         suite = SUITES[name]
-        by_job = {job: [r for r in sub if r["method"] == job] for job in jobs}
-        cells = [name, str(len({int(r["seed"]) for r in sub}))]
-        for job in jobs:
-            mean = mean_std([_value(r, key) for r in by_job[job]])[0]
-            means[job].append(mean)
-            cells.append(f"{mean:.3f}" if np.isfinite(mean) else "–")
-        gap = gap_of_means(by_job[suite.method], by_job[suite.lower], by_job[suite.upper], key)
-        cells.append(f"{gap:.0%}" if np.isfinite(gap) else "–")
-        lines.append("| " + " | ".join(cells) + " |")
-        job_mean, lower_mean = means[suite.method][-1], means[suite.lower][-1]
-        if np.isfinite(job_mean) and np.isfinite(lower_mean) and job_mean < lower_mean:
+        of_job = {job: [r for r in rows if r["suite"] == name and r["method"] == job]
+                  for job in dict.fromkeys([*jobs, suite.method, suite.lower, suite.upper])}
+        suite_means = {job: mean_std([_value(r, key) for r in job_rows])[0] for job, job_rows in of_job.items()}
+        for job, mean in suite_means.items():
+            means.setdefault(job, []).append(mean)
+        gap = gap_of_means(of_job[suite.method], of_job[suite.lower], of_job[suite.upper], key)
+        seeds = len({int(r["seed"]) for r in rows if r["suite"] == name})
+        lines.append("| " + " | ".join([name, str(seeds)] + [_mean_cell(suite_means[j]) for j in jobs]
+                                      + [_share(gap)]) + " |")
+        if suite_means[suite.method] < suite_means[suite.lower]:  # False where either is NaN
             below.append(name)
-    over = {job: float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
-            for job, v in ((j, np.asarray(m, dtype=float)) for j, m in means.items())}
+    over = {job: mean_std(values)[0] for job, values in means.items()}
     gap = gap_closed(over[first.method], over[first.lower], over[first.upper])
-    lines.append("| " + " | ".join([f"mean of {len(names)} suites", ""]
-                                  + [f"{over[j]:.3f}" if np.isfinite(over[j]) else "–" for j in jobs]
-                                  + [f"{gap:.0%}" if np.isfinite(gap) else "–"]) + " |")
+    lines.append("| " + " | ".join([f"mean of {len(names)} suites", ""] + [_mean_cell(over[j]) for j in jobs]
+                                  + [_share(gap)]) + " |")
     lines += ["", f"{first.method} below {first.lower} (means over seeds): "
                   + (", ".join(below) if below else "on no suite")]
     return "\n".join(lines)
