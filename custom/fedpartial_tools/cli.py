@@ -119,10 +119,12 @@ def format_evaluation(out: dict, meta: dict) -> str:
         out: :func:`fedpartial_tools.evaluate.evaluate_data`'s result plus ``model``.
         meta: the model's meta (task, classes, input size for the header).
     """
+    from fedpartial.models.io import model_input_size
+
     seg = meta["task"] == "segmentation"
-    size = meta.get("input_size") or []
+    size = model_input_size(meta)
     what = meta["task"] + ("" if seg else f", {len(meta['class_names'])} classes") + (
-        f", input {size[0]}x{size[1]}" if len(size) == 2 and all(size) else "")
+        f", input {size[0]}x{size[1]}" if size else "")
     sites = out.get("sites")
     lines = [f"model  {out['model']} ({what})",
              f"data   {out['data']}" + (f" ({len(sites)} sites)" if sites else ""),

@@ -12,6 +12,7 @@ import torch
 
 from fedpartial.data.types import SEGMENTATION, DataError, Split
 from fedpartial.evaluation import predict_split
+from fedpartial.models.io import model_input_size
 from fedpartial.training.common import images_to_tensor, predict, probabilities
 
 
@@ -145,15 +146,10 @@ def load_for_model(path: str, meta: dict):
     return data, notes
 
 
-def _model_size(meta: dict):
-    size = tuple(int(s) for s in (meta.get("input_size") or (0, 0)))
-    return size if all(size) and len(size) == 2 else None
-
-
 def _classification_probs(model, split: Split, meta: dict, device, batch_size: int = 256) -> np.ndarray:
     from fedpartial.data.transforms import resize_images
 
-    size = _model_size(meta)
+    size = model_input_size(meta)
     out = []
     # chunk by chunk: images of a site folder are memory-mapped and may not fit in memory at once
     for start in range(0, len(split), batch_size):
@@ -269,7 +265,7 @@ def evaluate_data(model, meta: dict, path: str, split: Optional[str] = None, dev
     files, is_folder = data_sources(path)
     task = meta["task"]
     thresholds = decision_thresholds(meta, threshold)  # per class; single-label metrics use argmax
-    model_size = _model_size(meta)
+    model_size = model_input_size(meta)
     rows, pool, notes = {}, [], []
     for file in files:
         data, file_notes = load_for_model(file, meta)

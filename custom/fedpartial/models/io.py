@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Dict, Mapping, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -56,6 +56,17 @@ def _check_meta(meta: Mapping) -> Dict:
     if not isinstance(norm, Mapping) or "mean" not in norm or "std" not in norm:
         raise ValueError(f"model file meta 'normalisation' must be {{'mean', 'std'}}, got {norm!r}")
     return _plain(dict(meta), "meta")
+
+
+def model_input_size(meta: Mapping) -> Optional[Tuple[int, int]]:
+    """The ``(H, W)`` a model was trained at, from its meta; None when it has none (trained on
+    images at their own size: ``input_size`` absent, empty or 0).
+
+    Args:
+        meta: the model file's meta.
+    """
+    size = tuple(int(s) for s in (meta.get("input_size") or (0, 0)))
+    return size if len(size) == 2 and all(size) else None
 
 
 def _write_atomic(path, payload: Dict) -> Path:

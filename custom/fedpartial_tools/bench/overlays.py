@@ -113,13 +113,13 @@ def load_for_eval(ws: str, data, device, cache: Optional[dict] = None):
         ``(model, meta, dataset)``.
     """
     from fedpartial.data.transforms import resize_dataset
-    from fedpartial.models.io import load_model_file
+    from fedpartial.models.io import load_model_file, model_input_size
 
     model, meta = load_model_file(os.path.join(ws, "global_model.pt"), device=device)
-    size = tuple(int(s) for s in (meta.get("input_size") or (0, 0)))
+    size = model_input_size(meta)
     cache = {} if cache is None else cache
     if size not in cache:
-        cache[size] = resize_dataset(data, size) if any(size) else data
+        cache[size] = resize_dataset(data, size) if size else data
     return model, meta, cache[size]
 
 

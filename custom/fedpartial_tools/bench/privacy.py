@@ -108,12 +108,12 @@ def filter_settings(stats_chain: list, percentile: Optional[float] = None, gamma
 def _test_auc(model_file: str, test: Split) -> float:
     from fedpartial.data.transforms import resize_dataset
     from fedpartial.evaluation import evaluate_split
-    from fedpartial.models.io import load_model_file
+    from fedpartial.models.io import load_model_file, model_input_size
 
     model, meta = load_model_file(model_file)
     data = Dataset(meta["task"], meta["class_names"], {"test": test})
-    size = tuple(meta.get("input_size") or (0, 0))
-    if any(size):
+    size = model_input_size(meta)
+    if size:
         data = resize_dataset(data, size)
     metrics = evaluate_split(model, data.splits["test"], meta["task"], meta["class_names"], meta["normalisation"],
                              "cpu")

@@ -78,8 +78,9 @@ def export_size(meta: Mapping, size: Optional[Sequence[int]] = None) -> Tuple[in
         ValueError: the model has no input size (it was trained on images at their own size) and
             none is given, or ``size`` differs from the model's.
     """
-    own = tuple(int(s) for s in (meta.get("input_size") or (0, 0)))
-    own = own if len(own) == 2 and all(own) else None
+    from fedpartial.models.io import model_input_size
+
+    own = model_input_size(meta)
     given = tuple(int(s) for s in size) if size else None
     if own and given and given != own:
         raise ValueError(f"--size {given[0]},{given[1]} differs from the model's input size {own[0]},{own[1]}: "

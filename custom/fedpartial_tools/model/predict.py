@@ -60,11 +60,6 @@ def lesion_stats(mask: np.ndarray, voxel_mm3: Optional[float] = None, connectivi
 
 
 # ---- prediction -----------------------------------------------------------------------------------
-def _model_size(meta: Mapping) -> Optional[Tuple[int, int]]:
-    size = tuple(int(s) for s in (meta.get("input_size") or (0, 0)))
-    return size if len(size) == 2 and all(size) else None
-
-
 def _forward(model, images: List[np.ndarray], meta: Mapping, device, batch_size: int):
     """Probabilities of a batch of uint8 images: classification ``(N, C)``, segmentation a list of
     ``(H, W)`` foreground maps at each image's own size."""
@@ -72,9 +67,10 @@ def _forward(model, images: List[np.ndarray], meta: Mapping, device, batch_size:
     import torch.nn.functional as F
 
     from fedpartial.data.transforms import resize_images
+    from fedpartial.models.io import model_input_size
     from fedpartial.training.common import images_to_tensor, predict, probabilities
 
-    size = _model_size(meta)
+    size = model_input_size(meta)
     norm = meta["normalisation"]
     segmentation = meta["task"] == SEGMENTATION
     out: list = [None] * len(images)
