@@ -26,7 +26,7 @@ import torch
 
 from fedpartial.algorithms.base import ClientContext, ClientRule, RoundInput, RoundResult
 from fedpartial.data.types import DataError
-from fedpartial.training.common import (DRAWS, LR_SCHEDULES, ImageSource, batch_indices, predict_batches,
+from fedpartial.training.common import (DRAWS, ImageSource, batch_indices, check_lr_schedule, predict_batches,
                                         round_lr, round_seed, seed_everything, take_rows)
 
 #: What :class:`SegmentationSupervisedClient` returns in ``metrics`` (sent as ``site_metrics``) and
@@ -302,10 +302,7 @@ class SegmentationSupervisedClient(ClientRule):
         self.batch_size, self.local_epochs = int(batch_size), int(local_epochs)
         self.prob_threshold, self.dice_batch = float(prob_threshold), bool(dice_batch)
         self.predict_batch_size = int(predict_batch_size)
-        if lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule '{lr_schedule}' unknown; choose one of {LR_SCHEDULES}")
-        if not 0.0 < float(final_lr_fraction) <= 1.0:
-            raise ValueError(f"final_lr_fraction must be in (0, 1], got {final_lr_fraction}")
+        check_lr_schedule(lr_schedule, final_lr_fraction)
         self.lr_schedule, self.final_lr_fraction = lr_schedule, float(final_lr_fraction)
 
     def setup(self, ctx: ClientContext) -> None:

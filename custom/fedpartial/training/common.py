@@ -80,6 +80,20 @@ def round_seed(seed: int, site: str, round_index: int) -> int:
 LR_SCHEDULES = ("constant", "cosine")
 
 
+def check_lr_schedule(schedule: str, final_fraction: float) -> None:
+    """Raise ValueError naming the setting when ``schedule`` / ``final_fraction`` are not a valid
+    :func:`round_lr` schedule.
+
+    Args:
+        schedule: the ``lr_schedule`` setting.
+        final_fraction: the ``final_lr_fraction`` setting, in (0, 1].
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule '{schedule}' unknown; choose one of {LR_SCHEDULES}")
+    if not 0.0 < float(final_fraction) <= 1.0:
+        raise ValueError(f"final_lr_fraction must be in (0, 1], got {final_fraction}")
+
+
 def round_lr(lr: float, round_index: int, num_rounds: int, schedule: str = "constant",
              final_fraction: float = 0.1) -> float:
     """The local learning rate of one round.
@@ -95,8 +109,7 @@ def round_lr(lr: float, round_index: int, num_rounds: int, schedule: str = "cons
         schedule: one of :data:`LR_SCHEDULES`.
         final_fraction: the last round's lr as a share of ``lr`` (``cosine`` only).
     """
-    if schedule not in LR_SCHEDULES:
-        raise ValueError(f"lr_schedule '{schedule}' unknown; choose one of {LR_SCHEDULES}")
+    check_lr_schedule(schedule, final_fraction)
     if schedule == "constant" or num_rounds <= 1:
         return float(lr)
     progress = min(max(round_index, 0), num_rounds - 1) / (num_rounds - 1)
