@@ -177,7 +177,7 @@ def test_diagnostics_reach_the_method_job_only(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(partition, "split_file", lambda *a, **k: None)
     monkeypatch.setattr(sites, "dataset_overrides", lambda root: ["model.task=single-label"])
-    monkeypatch.setattr(simulator, "simulate", lambda job, root, ws, sets, log=None: calls.append(
+    monkeypatch.setattr(simulator, "simulate", lambda job, root, ws, sets, log=None, **kw: calls.append(
         (os.path.basename(job), list(sets))))
     monkeypatch.setattr(bench_run, "_evaluate_row", lambda name, suite, job, seed, *a: {
         "suite": name, "method": job, "seed": seed, **{k: 0.5 for k in suite.metrics}})
@@ -205,7 +205,7 @@ def test_user_command_line_offers_no_developer_command():
     def commands(parser):
         return set(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices)
 
-    developer_only = {"bench", "bench-report", "throughput", "jobs", "harmonise"}
+    developer_only = {"bench", "bench-report", "throughput", "timing", "bench-summary", "jobs", "harmonise"}
     assert commands(build_parser(developer=True)) - commands(user) == developer_only
     assert {"import", "split", "simulate", "evaluate", "package-job"} <= commands(user)
     assert user.parse_args(["simulate", "jobs/fedavg", "--data-root", "d", "--workspace", "w"]).command == "simulate"
@@ -381,7 +381,7 @@ def test_variants_run_the_method_job_with_their_settings(monkeypatch, tmp_path):
     """A suite variant runs the method's job folder with its extra settings (and the diagnostics
     reference), under its own workspace and row name; an unknown job is refused by name."""
     calls = []
-    monkeypatch.setattr("fedpartial_tools.run.simulator.simulate", lambda job, root, ws, sets, log=None: calls.append((job, ws, sets)))
+    monkeypatch.setattr("fedpartial_tools.run.simulator.simulate", lambda job, root, ws, sets, log=None, **kw: calls.append((job, ws, sets)))
     monkeypatch.setattr("fedpartial_tools.data.partition.split_file", lambda *a, **k: None)
     monkeypatch.setattr("fedpartial_tools.data.sites.dataset_overrides", lambda d: [])
     monkeypatch.setattr(bench_run, "_evaluate_row", lambda name, suite, job, seed, ws, source, sec, *scored: {"method": job})
@@ -607,7 +607,7 @@ def test_selection_scores_the_val_split_only_and_reuse_scores_the_saved_model(mo
     model = build_model("small_cnn", 3, 3, width=4, depth=1)
     trained = []
 
-    def fake_simulate(job, root, ws, sets, log=None):
+    def fake_simulate(job, root, ws, sets, log=None, **kw):
         trained.append(os.path.basename(ws))
         os.makedirs(ws, exist_ok=True)
         save_model_file(os.path.join(ws, "global_model.pt"), model, {"class_names": data.class_names,

@@ -158,7 +158,7 @@ def test_site_validation_scores_only_the_val_labels_the_site_holds(tmp_path):
     assert {"auc", "f1"} <= set(scored) and "val_curated" not in scored
     val = ex.data.splits["val"]
     ex.data.splits["val"] = Split(val.images, np.zeros_like(val.labels), np.zeros_like(val.label_mask))
-    assert ex.evaluate(ex.model) == {} and ex.val_histograms(ex.model) is None
+    assert ex.evaluate(ex.model) == {} and ex.evaluate(ex.model, with_histograms=True) == ({}, None)
     ex.data.splits["val"] = val
     ex.data = dataclasses.replace(ex.data, info={"val_labels": "curated"})
     assert ex.evaluate(ex.model)["val_curated"] == 1.0

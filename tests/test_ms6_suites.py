@@ -245,7 +245,8 @@ def test_a_file_made_with_another_agreement_is_refused(sources, tmp_path):
 # ---- the one command --------------------------------------------------------------------------------
 def test_suite_group_expands_to_its_suites(monkeypatch, tmp_path):
     ran = []
-    monkeypatch.setattr(bench, "run_suite", lambda name, out, seeds, **kw: ran.append((name, tuple(seeds))) or [])
+    monkeypatch.setattr(bench, "plan_suite", lambda name, out, seeds, **kw: ran.append((name, tuple(seeds))) or ([], "{}"))
+    monkeypatch.setattr(bench, "run_trainings", lambda trainings, **kw: [])
     monkeypatch.setattr(bench, "write_reports", lambda rows, out: "")
     monkeypatch.setattr(bench, "_readme_and_copies", lambda args: None)
     parser = build_parser(developer=True)

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedpartial.data.transforms import (affine_batch, flip_batch, make_view, resize_dataset, strong_batch,
-                                        strong_pipeline, weak_pipeline)
+from fedpartial.data.sample_views import strong_pipeline, weak_pipeline
+from fedpartial.data.transforms import affine_batch, flip_batch, make_view, resize_dataset, strong_batch
 from fedpartial.data.types import Dataset, Split
 
 

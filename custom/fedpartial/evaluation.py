@@ -21,7 +21,7 @@ def predict_split(model, split: Split, task: str, normalisation: dict, device, b
 
 def evaluate_split(model, split: Split, task: str, class_names, normalisation: dict, device,
                    flat: bool = False, threshold: float = 0.5) -> dict:
-    """Metrics of ``model`` on ``split``.
+    """Metrics of ``model`` on ``split`` (:func:`split_metrics` of :func:`predict_split`).
 
     Args:
         model: a fedpartial model.
@@ -30,6 +30,23 @@ def evaluate_split(model, split: Split, task: str, class_names, normalisation: d
         class_names: class names (classification).
         normalisation: ``{"mean", "std"}`` the model was trained with.
         device: torch device.
+        flat: see :func:`split_metrics`.
+        threshold: see :func:`split_metrics`.
+    """
+    probs = predict_split(model, split, task, normalisation, device)
+    return split_metrics(probs, split, task, class_names, flat=flat, threshold=threshold)
+
+
+def split_metrics(probs: np.ndarray, split: Split, task: str, class_names, flat: bool = False,
+                  threshold: float = 0.5) -> dict:
+    """Metrics of the probabilities :func:`predict_split` gave on ``split``: one prediction pass
+    can serve the metrics and the val histograms of a round.
+
+    Args:
+        probs: (N, C) class or (N, H, W) foreground probabilities.
+        split: the split ``probs`` were predicted on.
+        task: ``single-label`` | ``multi-label`` | ``segmentation``.
+        class_names: class names (classification).
         flat: drop the nested per-class block (for FLARE metric DXOs and TensorBoard).
             Segmentation: :func:`fedpartial.metrics.validation_metrics` (``dice_pooled``,
             ``dice_per_image``, ``predicted_lesion_share``, pixel counts ``tp`` / ``fp`` / ``fn`` ...).
@@ -37,7 +54,6 @@ def evaluate_split(model, split: Split, task: str, class_names, normalisation: d
     """
     from fedpartial.metrics import classification_metrics, validation_metrics
 
-    probs = predict_split(model, split, task, normalisation, device)
     if task == SEGMENTATION:
         # the same scores as `evaluate`: pooled and per-image Dice (empty-both images left out),
         # the share of images with a predicted lesion, and the pixel counts the server pools

@@ -309,11 +309,15 @@ def build_parser(developer: bool = False) -> argparse.ArgumentParser:
     if developer:
         from fedpartial_tools.bench.cli import add_bench_parser
         from fedpartial_tools.bench.throughput import add_throughput_parser
+        from fedpartial_tools.bench.summary import add_summary_parser
+        from fedpartial_tools.bench.timing import add_timing_parser
         from fedpartial_tools.data.harmonise import add_harmonise_parser
         from fedpartial_tools.jobs.folders import add_jobs_parser
 
         add_bench_parser(sub)
         add_throughput_parser(sub)
+        add_timing_parser(sub)
+        add_summary_parser(sub)
         add_jobs_parser(sub)
         add_harmonise_parser(sub)
     return p

@@ -349,8 +349,7 @@ class FedPartialExecutor(Executor):
         load_state_numpy(self.model, dxo.data)
         global_stats = dxo.get_meta_prop(GLOBAL_STATS) or {}
         started = time.time()
-        val_metrics = self.evaluate(self.model)
-        histograms = self.val_histograms(self.model)
+        val_metrics, histograms = self.evaluate(self.model, with_histograms=True)
         val_images = len(self.data.splits["val"]) if "val" in self.data.splits else 0
         for k, v in val_metrics.items():
             self._add_scalar(f"val/{k}", v, round_num, stream=val_images >= self.stream_floor)
@@ -391,32 +390,32 @@ class FedPartialExecutor(Executor):
                               f"{self.key_metric}={metrics.get(self.key_metric, float('nan')):.4f}")
         return DXO(DataKind.METRICS, data=metrics).to_shareable()
 
-    def val_histograms(self, model):
-        """Per-class histograms of ``model``'s probabilities on this site's val split, over the
-        annotated positives and negatives (:func:`fedpartial.algorithms.thresholds.probability_histograms`):
-        what the server picks decision thresholds from. None for segmentation or without a val split."""
-        from fedpartial.algorithms.thresholds import probability_histograms
-        from fedpartial.evaluation import predict_split
-
-        val = scored_val_split(self.data)
-        if self.data.task == SEGMENTATION or val is None:
-            return None
-        # a second pass over the val split: evaluate_split keeps its probabilities to itself
-        probs = predict_split(model, val, self.data.task, self.settings["normalisation"], self.device)
-        return probability_histograms(probs, val.labels, val.label_mask)
-
-    def evaluate(self, model) -> dict:
+    def evaluate(self, model, with_histograms: bool = False):
         """Metrics of ``model`` on this site's val split, over the labels the site holds there
         (as its train split is annotated, unless the split file says ``val_labels: curated``).
         Empty where the val split annotates nothing (an unlabelled site): no score, not a 0.
-        ``val_curated`` = 1 where the site's val split is a curated, completely annotated one."""
-        from fedpartial.evaluation import evaluate_split
+        ``val_curated`` = 1 where the site's val split is a curated, completely annotated one.
+
+        Args:
+            model: the model to score.
+            with_histograms: also return the per-class histograms of its probabilities over the
+                annotated positives and negatives (:func:`fedpartial.algorithms.thresholds.probability_histograms`),
+                what the server picks decision thresholds from; None for segmentation or without
+                a val split. Both come from one prediction pass.
+
+        Returns:
+            the metrics, or ``(metrics, histograms)`` with ``with_histograms``.
+        """
+        from fedpartial.algorithms.thresholds import probability_histograms
+        from fedpartial.evaluation import predict_split, split_metrics
 
         val = scored_val_split(self.data)
-        if val is None:
-            return {}
-        metrics = evaluate_split(model, val, self.data.task, self.data.class_names, self.settings["normalisation"],
-                                 self.device, flat=True)
-        if (self.data.info or {}).get("val_labels") == "curated":
-            metrics["val_curated"] = 1.0
-        return metrics
+        metrics, histograms = {}, None
+        if val is not None:
+            probs = predict_split(model, val, self.data.task, self.settings["normalisation"], self.device)
+            metrics = split_metrics(probs, val, self.data.task, self.data.class_names, flat=True)
+            if (self.data.info or {}).get("val_labels") == "curated":
+                metrics["val_curated"] = 1.0
+            if with_histograms and self.data.task != SEGMENTATION:
+                histograms = probability_histograms(probs, val.labels, val.label_mask)
+        return (metrics, histograms) if with_histograms else metrics

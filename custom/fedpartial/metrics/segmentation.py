@@ -18,7 +18,6 @@ from typing import Dict
 
 import numpy as np
 import torch
-from monai.metrics import DiceMetric, MeanIoU
 
 
 def _as_mask(x, name: str) -> torch.Tensor:
@@ -36,6 +35,8 @@ def _as_mask(x, name: str) -> torch.Tensor:
 def segmentation_scores(pred, target) -> Dict[str, np.ndarray]:
     """Per-image foreground Dice and IoU (``(N,)`` arrays); see the module docstring for the
     empty-image rule."""
+    from monai.metrics import DiceMetric, MeanIoU  # here: a classification site never pays MONAI's import
+
     p, t = _as_mask(pred, "pred"), _as_mask(target, "target")
     if p.shape != t.shape:
         raise ValueError(f"pred shape {tuple(p.shape[:1] + p.shape[2:])} and target shape "

@@ -32,8 +32,8 @@ from fedpartial_tools.bench.overlays import write_overlays
 from fedpartial_tools.bench.plots import plot_results
 from fedpartial_tools.bench.pseudo_labels import seed_dirs, write_pseudo_label_report
 from fedpartial_tools.bench.readme import README_BEGIN, README_END, copy_outputs, update_readme
-from fedpartial_tools.bench.runner import run_suite, split_source
-from fedpartial_tools.bench.suites import DEFAULT_DATA, SUITE_GROUPS, SUITES, is_segmentation, suite_names
+from fedpartial_tools.bench.runner import plan_suite, run_trainings, split_source
+from fedpartial_tools.bench.suites import DEFAULT_DATA, REPO, SUITE_GROUPS, SUITES, is_segmentation, suite_names
 from fedpartial_tools.bench.tables import SELECTION_CSV, markdown_table, read_rows, write_reports, write_selection
 
 
@@ -41,25 +41,37 @@ def _cmd_bench(args):
     selecting = args.select_on == "val"
     csv_path = os.path.join(args.out, SELECTION_CSV if selecting else "results.csv")
     keep_old = args.append or selecting
-    rows = read_rows(csv_path) if keep_old and os.path.isfile(csv_path) else []
     names = suite_names(args.suite or [], args.suite_group or [])
     if not names:
         raise ValueError("bench needs --suite NAME or --suite-group GROUP")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    score_on = args.select_on or "test"
+    rows_dir = "" if args.no_rows else args.rows
+    # every suite's trainings in one pool, so that --parallel keeps the machine busy across suites
+    plans = {name: plan_suite(name, args.out, seeds=seeds, profile=args.profile, data_dir=args.data_dir,
+                              rounds=args.rounds, jobs=args.jobs.split(",") if args.jobs else None, extra=args.set,
+                              diagnostics=args.diagnostics, score_on=score_on) for name in names}
+    trainings = [t for name in names for t in plans[name][0]]
+    finished = run_trainings(trainings, score_on=score_on, reuse=args.reuse, parallel=args.parallel, rows_dir=rows_dir,
+                             profile=args.profile, log=print)
     for name in names:
-        seeds = [int(s) for s in args.seeds.split(",")]
-        new = run_suite(name, args.out, seeds=seeds, profile=args.profile, data_dir=args.data_dir,
-                        rounds=args.rounds, jobs=args.jobs.split(",") if args.jobs else None, extra=args.set,
-                        diagnostics=args.diagnostics, overlay_images=args.overlay_images,
-                        score_on=args.select_on or "test", reuse=args.reuse)
+        new = [row for t, row in zip(trainings, finished) if t.suite == name]
         # a re-run (same suite, job, seed) replaces the old row; the file is read again first, so
         # that rows another bench wrote into the same folder meanwhile (other seeds) are kept
-        if keep_old and os.path.isfile(csv_path):
-            rows = read_rows(csv_path)
+        rows = read_rows(csv_path) if keep_old and os.path.isfile(csv_path) else []
         redone = {(r["suite"], r["method"], int(r["seed"])) for r in new}
         rows = [r for r in rows if (r["suite"], r["method"], int(r["seed"])) not in redone] + new
-        print(write_selection(rows, args.out) if selecting else write_reports(rows, args.out))
         if selecting:
+            print(write_selection(rows, args.out))
             continue
+        print(write_reports(rows, args.out))
+        keep_old = True  # the next suite's rows join this one's
+        if args.overlay_images and is_segmentation(name):
+            for seed in seeds:
+                try:
+                    print(f"overlays: {write_overlays(name, args.out, seed, plans[name][0][0].source, n_images=args.overlay_images)[0]}")
+                except Exception as e:  # a convenience, like the plots: the numbers are in the CSV
+                    print(f"warning: overlays of {name} seed {seed} failed: {e}")
         if args.diagnostics:
             md = write_pseudo_label_report(args.out, name, every=args.every)
             if md:
@@ -137,6 +149,13 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--reuse", action="store_true",
                    help="score a job's saved model again where the bench trained it with the same settings "
                         "(after --select-on val: the chosen job's test score without training it again)")
+    s.add_argument("--parallel", type=int, default=0, metavar="N",
+                   help="trainings at once, each its own simulator process (0 = from the machine: with a GPU three "
+                        "for every four cores, on CPUs one for every four cores)")
+    s.add_argument("--rows", default=os.path.join(REPO, "docs", "results", "rows"), metavar="DIR",
+                   help="committed rows, one <suite>.csv each: a training already there with the same settings is "
+                        "not run again, and each finished one is appended at once (default: docs/results/rows)")
+    s.add_argument("--no-rows", action="store_true", help="neither read nor write committed rows")
     s.add_argument("--diagnostics", action="store_true",
                    help="the method job (never the baselines) logs pseudo-label quality against the hidden labels "
                         "(reference_file); writes OUT/<suite>_pseudo_labels.csv and .md")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from typing import List, Optional, Sequence
 
@@ -44,10 +45,25 @@ def _curve(metrics_file: str, key: str) -> List[float]:
 REFERENCE_SET = "reference_file=reference/{site}_full.npz"
 
 
+@dataclasses.dataclass
+class Training:
+    """One training of a bench run: a job of a suite for one seed on that seed's split."""
+
+    suite: str
+    seed: int
+    job: str
+    folder: str  # the job folder that runs it (Suite.job_folder)
+    ws: str
+    split_dir: str
+    source: str
+    sets: List[str]
+    bench_args: str = ""  # JSON of what reproduces the row (the README shows it as a bench command line)
+
+
 def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", data_dir: str = DEFAULT_DATA,
               rounds: Optional[int] = None, jobs: Optional[List[str]] = None, extra: List[str] = (),
               diagnostics: bool = False, overlay_images: int = 4, score_on: str = "test", reuse: bool = False,
-              log=print) -> List[dict]:
+              parallel: int = 1, rows_dir: str = "", log=print) -> List[dict]:
     """Run one suite for ``seeds``; returns the result rows (the caller writes them).
 
     Args:
@@ -67,11 +83,35 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
             source's val split (complete labels, never a site's) and the test split is not read.
         reuse: keep a job's trained workspace when it was trained with the same settings (e.g. by
             a ``score_on="val"`` run): its saved final model is scored, nothing is trained again.
+        parallel: trainings at once (:func:`run_trainings`).
+        rows_dir: committed rows (:mod:`fedpartial_tools.bench.rows`), one ``<suite>.csv`` each: a
+            row already there for the same settings is taken, not trained again; each new row is
+            appended as soon as it is scored. ``""``: none.
+    """
+    trainings, bench_args = plan_suite(name, out_dir, seeds, profile, data_dir, rounds, jobs, extra, diagnostics,
+                                       score_on)
+    rows = run_trainings(trainings, score_on=score_on, reuse=reuse, parallel=parallel, rows_dir=rows_dir,
+                         profile=profile, log=log)
+    if score_on == "test" and overlay_images and is_segmentation(name):
+        for seed in seeds:
+            try:
+                log(f"overlays: {write_overlays(name, out_dir, seed, trainings[0].source, n_images=overlay_images)[0]}")
+            except Exception as e:  # a convenience, like the plots: the numbers are in the CSV
+                log(f"warning: overlays of {name} seed {seed} failed: {e}")
+    return rows
+
+
+def plan_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", data_dir: str = DEFAULT_DATA,
+               rounds: Optional[int] = None, jobs: Optional[List[str]] = None, extra: Sequence[str] = (),
+               diagnostics: bool = False, score_on: str = "test") -> tuple:
+    """Each seed's split made (once), and the trainings of ``name`` (arguments as :func:`run_suite`).
+
+    Returns:
+        ``(trainings, bench_args)``: the :class:`Training` list in seed, job order, and the JSON of
+        what reproduces the rows (the README shows it as a bench command line).
     """
     from fedpartial_tools.data.partition import split_file
     from fedpartial_tools.data.sites import dataset_overrides
-    from fedpartial_tools.jobs.folders import find_job
-    from fedpartial_tools.run.simulator import simulate
 
     suite = SUITES[name]
     source = suite_source(suite, profile, data_dir, out_dir)
@@ -84,11 +124,8 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
         raise ValueError(f"suite '{name}' has no job {unknown}; its jobs: {suite.jobs}")
     if score_on not in SCORED_SPLITS:
         raise ValueError(f"score_on must be one of {SCORED_SPLITS}, got '{score_on}'")
-    # What reproduces these rows (the README shows it as a bench command line).
     bench_args = json.dumps({"profile": profile, "rounds": rounds, "sets": list(extra), "diagnostics": diagnostics})
-    if score_on == "val":
-        overlay_images = 0  # overlays draw test images
-    rows = []
+    trainings = []
     for seed in seeds:
         split_dir = os.path.join(out_dir, name, f"seed{seed}", "sites")
         summary_path = os.path.join(split_dir, "split_summary.json")
@@ -111,34 +148,132 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
             sets.append(f"num_rounds={rounds}")
         sets += list(extra)
         for job in jobs:
-            ws = os.path.join(out_dir, name, f"seed{seed}", job)
-            started = time.time()
             folder = suite.job_folder(job)
             is_method = folder == suite.job_folder(suite.method)
             job_sets = (sets + matched_sets(suite, job, sets)
                         + (list(suite.method_overrides.get(profile, [])) if is_method else [])
                         + suite.variants.get(job, [])
                         + ([REFERENCE_SET] if diagnostics and is_method else []))
-            seconds = trained_before(ws, folder, job_sets) if reuse else None
-            if seconds is None:
-                simulate(find_job(folder), split_dir, ws, job_sets, log=log)
-                seconds = time.time() - started
-                os.makedirs(ws, exist_ok=True)
-                with open(os.path.join(ws, TRAINED_FILE), "w") as f:
-                    json.dump({"job": folder, "sets": list(job_sets), "seconds": round(seconds, 1)}, f, indent=1)
-            else:
-                log(f"{name} seed {seed} {job}: trained before with the same settings, scoring its saved model")
-            row = _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on)
-            row["bench_args"] = bench_args
-            rows.append(row)
-            log(f"{name} seed {seed} {job}: " + ", ".join(f"{k}={row.get(k, float('nan')):.4f}"
-                                                          for k in suite.metrics))
-        if overlay_images and is_segmentation(name):
-            try:
-                log(f"overlays: {write_overlays(name, out_dir, seed, source, n_images=overlay_images)[0]}")
-            except Exception as e:  # a convenience, like the plots: the numbers are in the CSV
-                log(f"warning: overlays of {name} seed {seed} failed: {e}")
+            trainings.append(Training(name, seed, job, folder, os.path.join(out_dir, name, f"seed{seed}", job),
+                                      split_dir, source, job_sets, bench_args))
+    return trainings, bench_args
+
+
+def default_parallel() -> int:
+    """Trainings at once on this machine: with a GPU, three for every four cores (a training's
+    site processes mostly wait on FLARE and share the card); on CPUs alone, one for every four
+    cores (each training keeps about four site processes busy)."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    return max(1, cores * 3 // 4) if torch.cuda.is_available() else max(1, cores // 4)
+
+
+def run_trainings(trainings: Sequence[Training], score_on: str = "test", reuse: bool = False, parallel: int = 1,
+                  rows_dir: str = "", profile: str = "cpu", deadline: Optional[float] = None,
+                  raise_errors: bool = True, log=print) -> List[Optional[dict]]:
+    """Train and score ``trainings``, ``parallel`` at once (each its own simulator process and
+    workspace; the cores divided among them), rows in the order of ``trainings``.
+
+    Args:
+        trainings: from :func:`plan_suite` (of one suite or several).
+        score_on / reuse: as :func:`run_suite`.
+        parallel: trainings at once (0 = :func:`default_parallel`).
+        rows_dir: committed rows (as :func:`run_suite`).
+        profile: the bench profile (part of a committed row's settings).
+        deadline: wall-clock time (``time.time()``) after which no training starts; its row is None
+            (committed rows still count: they cost nothing).
+        raise_errors: after every training ran, raise one error naming each that failed (else
+            their rows are None).
+        log: progress printer.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    parallel = parallel or default_parallel()
+    sites = max(len(_site_files(t.split_dir)) for t in trainings) if trainings else 1
+    threads = max(1, (os.cpu_count() or 1) // (parallel * sites)) if parallel > 1 else None
+
+    failed = []
+    printing = threading.Lock()
+    plain_log = log
+
+    def log(*parts):  # one whole line at a time from trainings side by side
+        with printing:
+            plain_log(*parts)
+
+    def one(t: Training) -> Optional[dict]:
+        late = deadline is not None and time.time() >= deadline
+        try:
+            return run_training(t, score_on, reuse, rows_dir, profile, threads, log, committed_only=late)
+        except Exception as e:  # the others go on: a long run keeps every row it can finish
+            failed.append(f"{t.suite} seed {t.seed} {t.job}: {type(e).__name__}: {e}")
+            log(f"FAILED {failed[-1]}")
+            return None
+
+    if parallel <= 1:
+        rows = [one(t) for t in trainings]
+    else:
+        with ThreadPoolExecutor(max_workers=parallel) as pool:
+            rows = list(pool.map(one, trainings))
+    if failed and raise_errors:
+        raise RuntimeError(f"{len(failed)} of {len(trainings)} trainings failed:\n" + "\n".join(failed))
     return rows
+
+
+def _site_files(split_dir: str) -> List[str]:
+    return [f for f in os.listdir(split_dir) if f.startswith("site-")] if os.path.isdir(split_dir) else []
+
+
+def run_training(t: Training, score_on: str = "test", reuse: bool = False, rows_dir: str = "",
+                 profile: str = "cpu", torch_threads: Optional[int] = None, log=print,
+                 committed_only: bool = False) -> Optional[dict]:
+    """One training and its row: a committed row with the same settings is taken as it is; else a
+    saved model of the same settings is scored again (``reuse``); else the job is trained in the
+    simulator. A new row is appended to the committed rows at once. ``committed_only``: None
+    instead of training or scoring (a deadline passed)."""
+    from fedpartial_tools.bench import rows as committed
+    from fedpartial_tools.jobs.folders import find_job
+    from fedpartial_tools.run.simulator import simulate
+
+    key_hash = committed.settings_hash(t.folder, t.sets, profile)
+    # a folder holds one CSV per suite; a .csv path takes every suite's rows (a device run's one file)
+    rows_file = (rows_dir if rows_dir.endswith(".csv") else os.path.join(rows_dir, f"{t.suite}.csv")) if rows_dir else ""
+    if rows_file:
+        done = committed.find_row(rows_file, (t.suite, t.job, str(t.seed), score_on, key_hash))
+        if done is not None:
+            log(f"{t.suite} seed {t.seed} {t.job}: committed row for these settings in {rows_file}, not trained again")
+            return committed.as_bench_row(done)
+    if committed_only:
+        return None
+    suite = SUITES[t.suite]
+    started = time.time()
+    seconds = trained_before(t.ws, t.folder, t.sets) if reuse else None
+    if seconds is None:
+        threads = {"torch_threads": torch_threads} if torch_threads else {}
+        simulate(find_job(t.folder), t.split_dir, t.ws, t.sets, log=log, **threads)
+        seconds = time.time() - started
+        os.makedirs(t.ws, exist_ok=True)
+        with open(os.path.join(t.ws, TRAINED_FILE), "w") as f:
+            json.dump({"job": t.folder, "sets": list(t.sets), "seconds": round(seconds, 1)}, f, indent=1)
+    else:
+        log(f"{t.suite} seed {t.seed} {t.job}: trained before with the same settings, scoring its saved model")
+    row = _evaluate_row(t.suite, suite, t.job, t.seed, t.ws, t.source, seconds, score_on)
+    row["bench_args"] = t.bench_args
+    curve = json.loads(row.get("curve") or "[]")
+    # what the federation itself sees: the sites' own val splits, pooled, over the last 5 rounds
+    row[SITE_VAL_KEY] = float(np.nanmean(curve[-5:])) if curve else float("nan")
+    if rows_file:
+        committed.append_row(rows_file, {**row, "settings_hash": key_hash,
+                                         "commit": committed.current_commit(REPO), "device": committed.device_name(),
+                                         "settings": json.dumps({"job": t.folder, "sets": list(t.sets),
+                                                                 "profile": profile})})
+    log(f"{t.suite} seed {t.seed} {t.job}: " + ", ".join(f"{k}={row.get(k, float('nan')):.4f}"
+                                                        for k in suite.metrics))
+    return row
+
+
+#: a row's mean over the last 5 rounds of the sites' own validation (pooled Dice, or mean AUC)
+SITE_VAL_KEY = "site_val_last5"
 
 
 SCORED_SPLITS = ("test", "val")

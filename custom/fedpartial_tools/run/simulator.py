@@ -20,7 +20,8 @@ from fedpartial_tools.run.results import collect_results
 
 
 def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[str] = (), threads: int = 0,
-             timeout: Optional[float] = None, log=print, progress_every: float = 3.0) -> dict:
+             timeout: Optional[float] = None, log=print, progress_every: float = 3.0,
+             torch_threads: Optional[int] = None) -> dict:
     """Run a job in the FLARE simulator, one site per site file, and collect the results in
     ``workspace``: ``global_model.pt``, ``best_global_model.pt``, ``metrics.json``,
     ``cross_site_val.json``, ``tb/`` (TensorBoard events of the server and every site).
@@ -34,6 +35,8 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
         timeout: seconds before the simulator is stopped.
         log: progress printer (one line per aggregated round).
         progress_every: seconds between looks at the server's metrics.json.
+        torch_threads: torch threads of each site's process (default ``$FEDPARTIAL_THREADS``, else 1
+            with several sites): trainings run side by side divide the machine's cores.
 
     Returns:
         a summary: ``exit_code``, ``seconds``, ``workspace``, ``errors``, ``num_rounds``,
@@ -54,6 +57,8 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
     cmd = [sys.executable, "-m", "nvflare.private.fed.app.simulator.simulator", job, "-w", sim_ws,
            "-c", ",".join(sites), "-t", str(threads or len(sites))]
     env = dict(os.environ)
+    if torch_threads:
+        env["FEDPARTIAL_THREADS"] = str(int(torch_threads))
     env.setdefault("FEDPARTIAL_THREADS", "1" if len(sites) > 1 else "")
     if not env["FEDPARTIAL_THREADS"]:
         env.pop("FEDPARTIAL_THREADS")

@@ -1,0 +1,132 @@
+"""Committed result rows, the timing report and the MS protocol's choice: numbers worked out by hand."""
+import json
+import os
+import threading
+
+import pytest
+
+from fedpartial_tools.bench import rows as committed
+from fedpartial_tools.bench.ms6_protocol import choose
+from fedpartial_tools.bench.timing import parse_config, round_times, table
+
+
+def _row(suite="s", method="fedavg", seed=0, scored_on="test", h="abc", **metrics):
+    return {"suite": suite, "method": method, "seed": seed, "scored_on": scored_on, "settings_hash": h,
+            "commit": "c0ffee", "device": "cpu", "seconds": 1.5, "settings": "{}", **metrics}
+
+
+def test_a_row_is_appended_found_and_replaced_by_its_key(tmp_path):
+    path = str(tmp_path / "rows" / "s.csv")
+    committed.append_row(path, _row(auc=0.5))
+    committed.append_row(path, _row(seed=1, auc=0.7))
+    committed.append_row(path, _row(auc=0.6))  # same key as the first: replaces it
+    got = committed.read_committed(path)
+    assert [(r["seed"], r["auc"]) for r in got] == [("1", "0.7"), ("0", "0.6")]
+    assert committed.find_row(path, ("s", "fedavg", "0", "test", "abc"))["auc"] == "0.6"
+    assert committed.find_row(path, ("s", "fedavg", "0", "val", "abc")) is None
+    # the key columns first, provenance last, a new metric column joins the file
+    committed.append_row(path, _row(seed=2, auc=0.8, f1=0.1))
+    header = open(path).readline().strip().split(",")
+    assert header[:5] == list(committed.KEY_COLUMNS) and header[-4:] == list(committed.PROVENANCE_COLUMNS)
+    assert "f1" in header and committed.as_bench_row(committed.read_committed(path)[-1])["f1"] == pytest.approx(0.1)
+
+
+def test_threads_appending_to_one_file_lose_no_row(tmp_path):
+    path = str(tmp_path / "s.csv")
+    threads = [threading.Thread(target=committed.append_row, args=(path, _row(seed=k, auc=k / 10))) for k in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(int(r["seed"]) for r in committed.read_committed(path)) == list(range(12))
+
+
+def test_settings_hash_depends_on_job_sets_order_and_profile_only():
+    h = committed.settings_hash("fedavg", ["seed=0", "num_rounds=3"], "cpu")
+    assert h == committed.settings_hash("fedavg", ["seed=0", "num_rounds=3"], "cpu") and len(h) == 16
+    assert h != committed.settings_hash("fedavg", ["num_rounds=3", "seed=0"], "cpu")
+    assert h != committed.settings_hash("fedavg", ["seed=0", "num_rounds=3"], "gpu")
+    assert h != committed.settings_hash("fedlsm", ["seed=0", "num_rounds=3"], "cpu")
+
+
+def test_merge_sorts_a_device_file_into_one_file_per_suite(tmp_path):
+    device = str(tmp_path / "device.csv")
+    for suite, seed in (("a", 0), ("b", 0), ("a", 1)):
+        committed.append_row(device, _row(suite=suite, seed=seed, auc=0.5))
+    out = tmp_path / "rows"
+    assert committed.merge([device], str(out)) == {"a": 2, "b": 1}
+    assert sorted(os.listdir(out)) == ["a.csv", "b.csv"]
+    assert committed.merge([device], str(out)) == {"a": 2, "b": 1}  # again: replaced, not doubled
+    assert len(committed.read_committed(str(out / "a.csv"))) == 2
+
+
+def test_round_times_from_a_server_record(tmp_path):
+    # launched at 100; rounds aggregated at 110, 112, 115, 117 -> gaps 2, 3, 2 (median 2)
+    rounds = [{"round": k, "aggregated_at": t, "sites": {"site-1": {"train_seconds": a}, "site-2": {"train_seconds": b}}}
+              for k, (t, a, b) in enumerate([(110, 9.0, 1.0), (112, 0.5, 0.8), (115, 0.4, 0.2), (117, 0.6, 0.1)])]
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps({"rounds": rounds}))
+    got = round_times(str(path), 100.0)
+    # start-up 10 s; per round the slowest site: 0.8, 0.4, 0.6 after the first -> median 0.6
+    assert got == {"startup_s": 10.0, "round_s": 2.0, "train_s": 0.6, "rounds": 4}
+    path.write_text(json.dumps({"rounds": []}))
+    with pytest.raises(ValueError, match="records no aggregated round"):
+        round_times(str(path), 0.0)
+
+
+def test_timing_configs_and_their_ratios():
+    assert parse_config("flare-defaults=") == ("flare-defaults", ["task_request_interval=2.0", "task_check_period=0.5"])
+    assert parse_config("fast=task_request_interval=0.1;task_check_period=0.05") == (
+        "fast", ["task_request_interval=0.1", "task_check_period=0.05"])
+    rows = [{"config": "a", "startup_s": 30.0, "floor_round_s": 2.0, "recipe_round_s": 3.0, "train_s": 1.0},
+            {"config": "b", "startup_s": 15.0, "floor_round_s": 0.5, "recipe_round_s": 1.5, "train_s": 1.0}]
+    last = table(rows).splitlines()[-1]
+    assert last == "| b | 15.0 | 0.50 | 1.50 | 1.00 | 0.25 | 0.50 |"
+
+
+def _p1(candidate, method, site_val, spread):
+    return {"candidate": candidate, "method": method, "site_val_last5": site_val, "val_range_last5": spread}
+
+
+def test_the_ms_protocol_chooses_on_the_sites_val_without_the_complete_mask_bound():
+    rows = [_p1("constant", "fedia_lesions", 0.30, 0.05), _p1("constant", "fedavg_seg_lesions", 0.20, 0.05),
+            _p1("cosine", "fedia_lesions", 0.32, 0.01), _p1("cosine", "fedavg_seg_lesions", 0.24, 0.01),
+            # the bound's sites hold complete masks: a federation has no such val, it must not count
+            _p1("constant", "fedavg_seg_full_lesions", 0.90, 0.0)]
+    chosen, summary = choose(rows)
+    assert chosen == "cosine" and summary["cosine"][0] == pytest.approx(0.28) and summary["constant"][2] == 2
+    # within 0.005: the smaller last-rounds range wins
+    rows[2]["site_val_last5"], rows[3]["site_val_last5"] = 0.298, 0.198
+    rows[2]["val_range_last5"], rows[3]["val_range_last5"] = 0.09, 0.09
+    assert choose(rows)[0] == "constant"
+    assert choose([])[0] == "constant"  # nothing measured: the shipped recipe
+
+
+@pytest.mark.slow
+def test_two_trainings_side_by_side_give_the_rows_of_a_serial_run(tmp_path):
+    """bench --parallel 2: each training its own simulator process, the same rows as one after the
+    other; the committed rows then stand in for a third run, which trains nothing."""
+    from fedpartial_tools.bench import runner
+
+    quick = ["rule_args.local_epochs=0.05", 'model.arch_args={"width": 8, "depth": 2}']
+    rows = {}
+    for parallel in (1, 2):
+        out = tmp_path / f"p{parallel}"
+        trainings, _ = runner.plan_suite("fedmlp-premise", str(out), seeds=[0], data_dir=str(tmp_path / "data"),
+                                         rounds=1, jobs=["fedavg", "fedavg_full"], extra=quick, score_on="val")
+        got = runner.run_trainings(trainings, score_on="val", parallel=parallel, rows_dir=str(out / "rows"),
+                                   log=lambda *_: None)
+        rows[parallel] = {r["method"]: r for r in got}
+        assert len(committed.read_committed(str(out / "rows" / "fedmlp-premise.csv"))) == 2
+    for job in ("fedavg", "fedavg_full"):
+        for key in ("auc", "map", "curve"):
+            assert rows[1][job][key] == rows[2][job][key], (job, key)
+    assert rows[1]["fedavg"]["auc"] != rows[1]["fedavg_full"]["auc"]  # two different trainings
+    # again with the committed rows: nothing is trained, the rows come back as committed
+    trainings, _ = runner.plan_suite("fedmlp-premise", str(tmp_path / "p2"), seeds=[0], data_dir=str(tmp_path / "data"),
+                                     rounds=1, jobs=["fedavg", "fedavg_full"], extra=quick, score_on="val")
+    for t in trainings:
+        os.remove(os.path.join(t.ws, "global_model.pt"))
+    again = runner.run_trainings(trainings, score_on="val", parallel=2, rows_dir=str(tmp_path / "p2" / "rows"),
+                                 log=lambda *_: None)
+    assert [r["auc"] for r in again] == pytest.approx([float(f"{rows[2][j]['auc']:.6g}") for j in ("fedavg", "fedavg_full")])
