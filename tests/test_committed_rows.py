@@ -130,3 +130,34 @@ def test_two_trainings_side_by_side_give_the_rows_of_a_serial_run(tmp_path):
     again = runner.run_trainings(trainings, score_on="val", parallel=2, rows_dir=str(tmp_path / "p2" / "rows"),
                                  log=lambda *_: None)
     assert [r["auc"] for r in again] == pytest.approx([float(f"{rows[2][j]['auc']:.6g}") for j in ("fedavg", "fedavg_full")])
+
+
+def test_readme_results_are_computed_from_the_committed_rows():
+    """README's results block is what bench-summary computes from docs/results/rows (a number
+    edited by hand, or a row committed without the README, fails here)."""
+    from pathlib import Path
+
+    from fedpartial_tools.bench import summary
+
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "README.md").read_text()
+    block = summary.summary(summary.committed_test_rows(str(repo / "docs" / "results" / "rows")))
+    assert summary.replace_block(text, block, "README.md") == text
+
+
+def _t(suite, method, seed, value):
+    return {"suite": suite, "method": method, "seed": seed, "scored_on": "test", "auc": value}
+
+
+def test_a_suite_line_from_hand_rows_and_only_complete_seeds():
+    from fedpartial_tools.bench import summary
+
+    rows = [_t("fedlsm-ham", "fedavg", 0, 0.80), _t("fedlsm-ham", "fedavg_full", 0, 0.90), _t("fedlsm-ham", "fedlsm", 0, 0.85),
+            _t("fedlsm-ham", "fedavg", 1, 0.82), _t("fedlsm-ham", "fedavg_full", 1, 0.92), _t("fedlsm-ham", "fedlsm", 1, 0.81),
+            _t("fedlsm-ham", "fedavg_compute", 0, 0.83), _t("fedlsm-ham", "fedavg_compute", 1, 0.84),
+            _t("fedlsm-ham", "fedavg", 2, 0.99)]  # seed 2: no method row yet -> left out
+    kept = summary.complete_seeds(rows)
+    assert sorted({r["seed"] for r in kept}) == [0, 1]
+    # means: FedAvg 0.81, full 0.91, FedLSM 0.83 -> gap (0.83 - 0.81) / 0.10 = 20 %; below FedAvg on seed 1
+    assert summary.suite_line("fedlsm-ham", kept) == (
+        "| fedlsm-ham | auc | 2 | 0.810 ± 0.014 | 0.835 ± 0.007 | 0.910 ± 0.014 | 0.830 ± 0.028 | 20 % | 1 of 2 (1) |")

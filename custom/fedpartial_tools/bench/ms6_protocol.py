@@ -64,6 +64,38 @@ def choose(rows: Sequence[dict]) -> tuple:
     return best, summary
 
 
+def candidate_of(row: dict) -> str:
+    """The phase-1 candidate a committed row ran (read from its recorded ``--set`` items), or ""."""
+    sets = json.loads(row.get("settings") or "{}").get("sets", [])
+    for name, extra in CANDIDATES.items():
+        others = [x for n, v in CANDIDATES.items() if n != name for x in v]
+        if all(x in sets for x in extra) and not any(x in sets for x in others):
+            return name
+    return ""
+
+
+def selection_table(rows_dir: str) -> str:
+    """Phase 1 from the committed rows: each candidate's val rows (the sites' own val masks, last 5
+    rounds; the source's val split with complete masks beside it, not used for the choice) and the
+    choice the rule makes from them."""
+    from fedpartial_tools.bench.rows import read_committed
+
+    rows = []
+    for p in SELECTION_PATIENTS:
+        for r in read_committed(os.path.join(rows_dir, f"ms6-p{p}-m3.csv")):
+            if r["scored_on"] == "val" and candidate_of(r):
+                rows.append({**r, "candidate": candidate_of(r)})
+    chosen, summary = choose(rows)
+    lines = ["| candidate | fold | job | seed | sites' own val, last 5 rounds | range, last 5 rounds | source's val "
+             "(complete masks; not used) |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (list(CANDIDATES).index(r["candidate"]), r["suite"], JOBS.index(r["method"]))):
+        lines.append(f"| {r['candidate']} | {r['suite']} | {r['method']} | {r['seed']} | {float(r[SITE_VAL_KEY]):.3f} "
+                     f"| {float(r[LAST_ROUNDS_KEY]):.3f} | {float(r['dice_pooled']):.3f} |")
+    lines += ["", "Mean over the FedIA and FedAvg rows: " + "; ".join(
+        f"{n} {v[0]:.4f} (range {v[1]:.4f}, {v[2]} rows)" for n, v in summary.items()) + f". Chosen: **{chosen}**."]
+    return "\n".join(lines)
+
+
 def run(out: str, rows_dir: str, data_dir: str, deadline: float, parallel: int, seeds=(0, 1, 2),
         rater2_seeds=(0,), selection_seeds=(0,), patients: Sequence[int] = MS6_PATIENTS,
         jobs: Sequence[str] = JOBS, rounds=None, log=print) -> dict:
@@ -104,15 +136,25 @@ def run(out: str, rows_dir: str, data_dir: str, deadline: float, parallel: int, 
         return report
     sets = CANDIDATES[chosen]
     folder = os.path.join(out, chosen)
-    planned = []
-    for seed in seeds:  # seed-major: all folds of a seed before the next seed
-        for p in patients:
-            planned += plan_suite(f"ms6-p{p}-m3", folder, seeds=[seed], data_dir=data_dir, rounds=rounds,
-                                  jobs=list(jobs), extra=sets)[0]
-    for seed in rater2_seeds:
-        for p in patients:
-            planned += plan_suite(f"ms6-p{p}-r2", folder, seeds=[seed], data_dir=data_dir, rounds=rounds,
-                                  jobs=list(jobs), extra=sets)[0]
+
+    def plan_patient(p: int) -> Dict[tuple, list]:
+        # one thread per patient: a patient's suites share its held-out file, made once
+        made = {}
+        for seed in seeds:
+            made[("m3", seed, p)] = plan_suite(f"ms6-p{p}-m3", folder, seeds=[seed], data_dir=data_dir,
+                                               rounds=rounds, jobs=list(jobs), extra=sets)[0]
+        for seed in rater2_seeds:
+            made[("r2", seed, p)] = plan_suite(f"ms6-p{p}-r2", folder, seeds=[seed], data_dir=data_dir,
+                                               rounds=rounds, jobs=list(jobs), extra=sets)[0]
+        return made
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(patients)) as pool:  # the splits are made side by side
+        made = {k: v for part in pool.map(plan_patient, patients) for k, v in part.items()}
+    # seed-major: all folds of a seed before the next seed, the second rater last
+    planned = [t for seed in seeds for p in patients for t in made[("m3", seed, p)]]
+    planned += [t for seed in rater2_seeds for p in patients for t in made[("r2", seed, p)]]
     rows = run_trainings(planned, score_on="test", reuse=True, parallel=parallel, rows_dir=rows_dir,
                          deadline=deadline, raise_errors=False, log=log)
     report.update(test_rows=sum(r is not None for r in rows), planned=len(planned), finished=time.time())
@@ -121,8 +163,10 @@ def run(out: str, rows_dir: str, data_dir: str, deadline: float, parallel: int, 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="working folder (splits, workspaces)")
-    p.add_argument("--rows", required=True, help="committed rows folder (one CSV per suite)")
+    p.add_argument("--out", default="", help="working folder (splits, workspaces)")
+    p.add_argument("--rows", required=True, help="committed rows folder (one CSV per suite), or one .csv")
+    p.add_argument("--show-selection", action="store_true",
+                   help="print phase 1's table and choice from the committed rows in --rows; train nothing")
     p.add_argument("--data-dir", default=DEFAULT_DATA)
     p.add_argument("--minutes", type=float, default=7.0, help="no training starts after this many minutes")
     p.add_argument("--parallel", type=int, default=0, help="trainings at once (0 = from the machine)")
@@ -132,6 +176,11 @@ def main(argv=None):
     p.add_argument("--jobs", default=",".join(JOBS), help="fewer jobs (a smoke test)")
     p.add_argument("--rounds", type=int, default=None, help="fewer rounds (a smoke test)")
     args = p.parse_args(argv)
+    if args.show_selection:
+        print(selection_table(args.rows))
+        return
+    if not args.out:
+        p.error("--out is needed to run the protocol")
     report = run(args.out, args.rows, args.data_dir, time.time() + 60 * args.minutes, args.parallel,
                  seeds=[int(s) for s in args.seeds.split(",")], patients=[int(x) for x in args.patients.split(",")],
                  jobs=args.jobs.split(","), rounds=args.rounds)

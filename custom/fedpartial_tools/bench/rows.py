@@ -12,13 +12,11 @@ import hashlib
 import json
 import os
 import subprocess
-import threading
 from typing import Dict, List, Optional, Sequence
 
 #: columns every row starts with; the metrics follow, then the rest of the bench row
 KEY_COLUMNS = ("suite", "method", "seed", "scored_on", "settings_hash")
 PROVENANCE_COLUMNS = ("commit", "device", "seconds", "settings")
-_lock = threading.Lock()
 
 
 def settings_hash(job_folder: str, sets: Sequence[str], profile: str) -> str:
@@ -30,16 +28,20 @@ def settings_hash(job_folder: str, sets: Sequence[str], profile: str) -> str:
 
 
 def current_commit(repo: str) -> str:
-    """``git describe``-like id of the code that trains: the commit, ``+dirty`` with uncommitted changes."""
+    """``git describe``-like id of the code that trains: ``$FEDPARTIAL_COMMIT`` where the caller says
+    which commit a copy is (a device machine's copy may carry a stale .git), else the commit,
+    ``+dirty`` with uncommitted changes."""
+    if os.environ.get("FEDPARTIAL_COMMIT"):
+        return os.environ["FEDPARTIAL_COMMIT"]
     try:
         sha = subprocess.run(["git", "-C", repo, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
                              timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
-        return os.environ.get("FEDPARTIAL_COMMIT", "unknown")
-    if not sha:  # a copy without .git (a device machine): the caller says which commit it is
-        return os.environ.get("FEDPARTIAL_COMMIT", "unknown")
+        return "unknown"
+    if not sha:
+        return "unknown"
     return sha + ("+dirty" if dirty else "")
 
 
@@ -74,13 +76,12 @@ def append_row(path: str, row: dict) -> None:
     with the union of the columns."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    with _lock:
-        lock = os.open(folder, os.O_RDONLY)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            _rewrite(path, row)
-        finally:
-            os.close(lock)  # releases the lock
+    lock = os.open(folder, os.O_RDONLY)  # each call its own descriptor: threads exclude each other too
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _rewrite(path, row)
+    finally:
+        os.close(lock)  # releases the lock
 
 
 def _rewrite(path: str, row: dict) -> None:

@@ -64,8 +64,24 @@ def suite_line(name: str, rows: List[dict]) -> str:
                              + [gap_cell, below_cell]) + " |"
 
 
+def complete_seeds(rows: Sequence[dict]) -> List[dict]:
+    """The rows of the seeds where a suite has its method and both bounds: a seed that some job has
+    not reached yet (a measurement under way) would compare unlike with like."""
+    kept = []
+    for name in dict.fromkeys(r["suite"] for r in rows):
+        suite = SUITES[name]
+        mine = [r for r in rows if r["suite"] == name]
+        needed = {suite.method, suite.lower, suite.upper}
+        seeds = {int(r["seed"]) for r in mine}
+        done = {s for s in seeds if needed <= {r["method"] for r in mine if int(r["seed"]) == s}}
+        kept += [r for r in mine if int(r["seed"]) in done]
+    return kept
+
+
 def summary(rows: Sequence[dict]) -> str:
-    """The README block: one line per suite outside a group, then each group's fold table."""
+    """The README block: one line per suite outside a group, then each group's fold table (only
+    the seeds where a suite has its method and both bounds)."""
+    rows = complete_seeds([r for r in rows if r["suite"] in SUITES])
     grouped = {n for names in SUITE_GROUPS.values() for n in names}
     present = list(dict.fromkeys(r["suite"] for r in rows if r["suite"] in SUITES))
     lines = ["| suite | metric | seeds | FedAvg (partial) | FedAvg (method's compute) | FedAvg (full labels) | method "
