@@ -208,15 +208,36 @@ def test_held_out_patient_is_never_in_training_or_val(sources, tmp_path, monkeyp
 
 
 def test_selection_on_val_never_reads_the_held_out_patient(sources, tmp_path, monkeypatch):
-    """--select-on val scores the held-out file's val split, which holds no slice of the patient."""
-    _fake_run(monkeypatch)
+    """The selection's own scoring (``_evaluate_row``, not replaced here): ``--select-on val-complete``
+    scores the held-out file's val split, which holds no slice of the patient, and never its test
+    split; ``--select-on val`` reads no source split at all, only what the sites' validation sent."""
+    import fedpartial.evaluation as evaluation
+    from fedpartial.metrics import validation_metrics
+
+    def fake_simulate(job, root, ws, sets, log=None):
+        os.makedirs(ws, exist_ok=True)
+        Path(ws, "metrics.json").write_text(json.dumps({"rounds": [{"round": 0, "sites": {}}]}))
+        site = {"tp": 5, "fp": 1, "fn": 4, "n_images": 3, "predicted_lesion_share": 1.0, "dice_pooled": 10 / 15}
+        Path(ws, "cross_site_val.json").write_text(json.dumps(
+            {f"site-{k}": {"SRV_global_model": site, "SRV_best_global_model": site} for k in range(1, 5)}))
+
+    monkeypatch.setattr("fedpartial_tools.run.simulator.simulate", fake_simulate)
     scored = []
-    monkeypatch.setattr(bench_run, "_evaluate_row", lambda name, suite, job, seed, ws, source, sec, on="test":
-                        scored.append(load_npz(source).splits[on].ids) or {"method": job})
-    bench_run.run_suite("ms6-p19-m3", str(tmp_path), seeds=[1], jobs=["fedia_lesions"], data_dir=str(sources),
-                        score_on="val", log=lambda *_: None)
+    monkeypatch.setattr(evaluation, "predict_split", lambda m, split, *a, **k: (np.asarray(split.labels) > 0) * 1.0)
+    monkeypatch.setattr(evaluation, "evaluate_split", lambda m, split, *a, **k: scored.append(split.ids) or
+                        validation_metrics(np.asarray(split.labels) > 0, np.asarray(split.labels) > 0))
+    monkeypatch.setattr(bench_run, "load_for_eval", lambda ws, data, device: (None, {"normalisation": {}}, data))
+    rows = bench_run.run_suite("ms6-p19-m3", str(tmp_path), seeds=[1], jobs=["fedia_lesions"], data_dir=str(sources),
+                               score_on="val-complete", log=lambda *_: None)
     (ids,) = scored
     assert len(ids) == 10 and not any(i // ROW_ID_BASE == 19 for i in np.asarray(ids).tolist())
+    assert rows[0]["scored_on"] == "val-complete" and rows[0]["dice_pooled"] == 1.0
+    scored.clear()
+    monkeypatch.setattr(bench_run, "load_npz", lambda *a: pytest.fail("read a source split"), raising=False)
+    rows = bench_run.run_suite("ms6-p19-m3", str(tmp_path), seeds=[1], jobs=["fedia_lesions"], data_dir=str(sources),
+                               score_on="val", log=lambda *_: None)
+    assert not scored and rows[0]["scored_on"] == "val" and rows[0]["selection_metric"] == "dice_pooled"
+    assert rows[0]["dice_pooled"] == pytest.approx(2 * 20 / (2 * 20 + 4 + 16))  # pooled over the 4 sites' pixels
 
 
 def test_combining_refuses_a_patient_id_in_two_sources(sources, tmp_path):
@@ -339,7 +360,7 @@ def test_rows_scored_natively_are_the_held_out_patients_slices(sources, tmp_path
         row = bench_run._evaluate_row(name, SUITES[name], "fedia_lesions", 0, str(ws), source, 1.0)
         assert low <= row["dice_pooled_native"] <= 1.0 and row["dice_pooled_native_best"] == row["dice_pooled_native"]
         assert row["dice_pooled"] == 1.0
-        val = bench_run._evaluate_row(name, SUITES[name], "fedia_lesions", 0, str(ws), source, 1.0, "val")
+        val = bench_run._evaluate_row(name, SUITES[name], "fedia_lesions", 0, str(ws), source, 1.0, "val-complete")
         assert np.isnan(val["dice_pooled_native"])
     test = load_npz(source).splits["test"]
     shuffled = test.subset(np.arange(len(test))[::-1])

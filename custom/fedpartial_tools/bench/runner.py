@@ -15,7 +15,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from fedpartial_tools.bench.overlays import load_for_eval, write_overlays
-from fedpartial_tools.bench.suites import DEFAULT_DATA, REPO, SUITES, Suite, is_segmentation, matched_sets
+from fedpartial_tools.bench.suites import (DEFAULT_DATA, REPO, SUITES, Suite, is_segmentation, matched_sets,
+                                          selection_key)
 from fedpartial_tools.bench.tables import LAST_ROUNDS_KEY, last_rounds_range
 
 
@@ -63,8 +64,10 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
             labels (``reference_file``); see :func:`write_pseudo_label_report`.
         overlay_images: segmentation suites: test images in ``<suite>_overlays_seed<k>.png`` after
             each seed (0 = no overlays).
-        score_on: ``test``, or ``val`` to choose among settings: the final models are scored on the
-            source's val split (complete labels, never a site's) and the test split is not read.
+        score_on: ``test``, or to choose among settings without reading the test split: ``val``
+            (what a federation can compute: each site's own val split with its own labels, as the
+            server received it in cross-site evaluation, :func:`sites_val_row`) or ``val-complete``
+            (the source's val split with complete labels, which no site holds: a curated set).
         reuse: keep a job's trained workspace when it was trained with the same settings (e.g. by
             a ``score_on="val"`` run): its saved final model is scored, nothing is trained again.
     """
@@ -86,7 +89,7 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
         raise ValueError(f"score_on must be one of {SCORED_SPLITS}, got '{score_on}'")
     # What reproduces these rows (the README shows it as a bench command line).
     bench_args = json.dumps({"profile": profile, "rounds": rounds, "sets": list(extra), "diagnostics": diagnostics})
-    if score_on == "val":
+    if score_on != "test":
         overlay_images = 0  # overlays draw test images
     rows = []
     for seed in seeds:
@@ -141,7 +144,7 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
     return rows
 
 
-SCORED_SPLITS = ("test", "val")
+SCORED_SPLITS = ("test", "val", "val-complete")
 #: what a bench run trained in a job's workspace (``--reuse`` scores it again only with the same settings)
 TRAINED_FILE = "bench_trained.json"
 
@@ -169,14 +172,17 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
     from fedpartial.evaluation import evaluate_split, predict_split
     from fedpartial.training.common import select_device
 
+    if score_on == "val":
+        return sites_val_row(name, suite, job, seed, ws, source, seconds)
     device = select_device("auto")
     source_data = load_npz(source)
-    if score_on not in source_data.splits:
-        raise ValueError(f"'{source}' has no {score_on} split to score suite '{name}' on")
+    split_name = "val" if score_on == "val-complete" else score_on
+    if split_name not in source_data.splits:
+        raise ValueError(f"'{source}' has no {split_name} split to score suite '{name}' on")
     # only the scored split is resized and read
-    source_data = dataclasses.replace(source_data, splits={score_on: source_data.splits[score_on]})
+    source_data = dataclasses.replace(source_data, splits={split_name: source_data.splits[split_name]})
     model, meta, data = load_for_eval(ws, source_data, device)
-    scored = data.splits[score_on]
+    scored = data.splits[split_name]
     metrics = evaluate_split(model, scored, data.task, data.class_names, meta["normalisation"], device)
     # a held-out patient of combined sources is scored on its own grid too (the test split only:
     # the val slices are parts of patients)
@@ -189,10 +195,7 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
         metrics.update(segmentation_metrics(probs > 0.5, np.asarray(scored.labels) > 0))
         if native is not None:
             metrics["dice_pooled_native"] = native(probs)
-    row = {"suite": name, "method": job, "dataset": os.path.basename(source), "scenario": suite.scenario,
-           "split_options": json.dumps(suite.split_options), "seed": seed,
-           "rounds": len(json.load(open(os.path.join(ws, "metrics.json")))["rounds"]),
-           "seconds": round(seconds, 1), "scored_on": score_on}
+    row = _row_head(name, suite, job, seed, ws, source, seconds, score_on)
     if suite.shifted_test:
         from fedpartial_tools.data import synthetic
 
@@ -213,10 +216,69 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
         row[k] = float(metrics.get(k, float("nan")))
     per_class = metrics.get("per_class") or {}
     row["per_class_auc"] = json.dumps({c: v.get("auc") for c, v in per_class.items()})
+    return _with_curve(row, suite, ws)
+
+
+def _row_head(name, suite, job, seed, ws, source, seconds, score_on: str) -> dict:
+    row = {"suite": name, "method": job, "dataset": os.path.basename(source), "scenario": suite.scenario,
+           "split_options": json.dumps(suite.split_options), "seed": seed,
+           "rounds": len(json.load(open(os.path.join(ws, "metrics.json")))["rounds"]),
+           "seconds": round(seconds, 1), "scored_on": score_on}
+    if score_on != "test":
+        row["selection_metric"] = selection_key(name, score_on)
+    return row
+
+
+def _with_curve(row: dict, suite, ws: str) -> dict:
     curve = _curve(os.path.join(ws, "metrics.json"), suite.metrics[0])
     row["curve"] = json.dumps(curve)
     row[LAST_ROUNDS_KEY] = last_rounds_range(curve)
     return row
+
+
+def site_val_sizes(split_dir: str) -> dict:
+    """``{site: images in its val split}`` of the site files in ``split_dir`` (what each site would
+    report beside its score)."""
+    from fedpartial.data.sitefile import load_site_file
+    from fedpartial_tools.data.sites import site_paths
+
+    sizes = {}
+    for site, path in site_paths(split_dir).items():
+        if path.endswith(".npz"):
+            with np.load(path, allow_pickle=False) as z:  # only the val labels are read
+                sizes[site] = int(z["val_labels"].shape[0]) if "val_labels" in z.files else 0
+        else:
+            val = load_site_file(path).splits.get("val")
+            sizes[site] = 0 if val is None else len(val)
+    return sizes
+
+
+def sites_val_row(name, suite, job, seed, ws, source, seconds) -> dict:
+    """A row scored on what the sites can compute: each site's own val split, labelled as the site
+    holds it, scored on the server's final (and best) model in FLARE's cross-site evaluation
+    (``cross_site_val.json``) and pooled as the server receives it (classification: mean over the
+    sites with a score, weighted by their val images; segmentation: Dice over every site's val
+    pixels). No source split is read. ``selection_metric`` names the metric ranked on.
+
+    Raises:
+        FileNotFoundError: naming the workspace, when the job left no cross-site evaluation.
+    """
+    from fedpartial_tools.run.results import server_model_validation
+
+    path = os.path.join(ws, "cross_site_val.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"suite '{name}' job '{job}' seed {seed}: '{path}' is missing (no cross-site "
+                                f"evaluation): the sites' val scores are read from it; train again")
+    sizes = site_val_sizes(os.path.join(os.path.dirname(ws), "sites"))
+    scores = server_model_validation(json.load(open(path)), sizes)
+    final, best = scores.get("global_model.pt", {}), scores.get("best_global_model.pt", {})
+    row = _row_head(name, suite, job, seed, ws, source, seconds, "val")
+    for k in suite.metrics:
+        value = best.get(k[:-len("_best")]) if k.endswith("_best") else final.get(k)
+        row[k] = float("nan") if value is None else float(value)
+    key = row["selection_metric"]
+    row[key] = float(final.get(key, float("nan")))
+    return _with_curve(row, suite, ws)
 
 
 
