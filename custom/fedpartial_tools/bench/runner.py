@@ -15,8 +15,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 
 from fedpartial_tools.bench.overlays import load_for_eval, write_overlays
-from fedpartial_tools.bench.suites import (DEFAULT_DATA, REPO, SUITES, Suite, is_segmentation, matched_sets,
-                                          selection_key)
+from fedpartial_tools.bench.selection import selection_key
+from fedpartial_tools.bench.suites import DEFAULT_DATA, REPO, SUITES, Suite, is_segmentation, matched_sets
 from fedpartial_tools.bench.tables import LAST_ROUNDS_KEY, last_rounds_range
 
 
@@ -66,7 +66,7 @@ def run_suite(name: str, out_dir: str, seeds=(0, 1, 2), profile: str = "cpu", da
             each seed (0 = no overlays).
         score_on: ``test``, or to choose among settings without reading the test split: ``val``
             (what a federation can compute: each site's own val split with its own labels, as the
-            server received it in cross-site evaluation, :func:`sites_val_row`) or ``val-complete``
+            server received it in cross-site evaluation, :mod:`~fedpartial_tools.bench.selection`) or ``val-complete``
             (the source's val split with complete labels, which no site holds: a curated set).
         reuse: keep a job's trained workspace when it was trained with the same settings (e.g. by
             a ``score_on="val"`` run): its saved final model is scored, nothing is trained again.
@@ -172,8 +172,11 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
     from fedpartial.evaluation import evaluate_split, predict_split
     from fedpartial.training.common import select_device
 
-    if score_on == "val":
-        return sites_val_row(name, suite, job, seed, ws, source, seconds)
+    if score_on == "val":  # what the sites' validation sent the server: no split is read
+        from fedpartial_tools.bench.selection import sites_val_metrics
+
+        row = _row_head(name, suite, job, seed, ws, source, seconds, score_on)
+        return _with_curve({**row, **sites_val_metrics(suite, ws, row["selection_metric"], f"{name} {job}")}, suite, ws)
     device = select_device("auto")
     source_data = load_npz(source)
     split_name = "val" if score_on == "val-complete" else score_on
@@ -234,52 +237,6 @@ def _with_curve(row: dict, suite, ws: str) -> dict:
     row["curve"] = json.dumps(curve)
     row[LAST_ROUNDS_KEY] = last_rounds_range(curve)
     return row
-
-
-def site_val_sizes(split_dir: str) -> dict:
-    """``{site: images in its val split}`` of the site files in ``split_dir`` (what each site would
-    report beside its score)."""
-    from fedpartial.data.sitefile import load_site_file
-    from fedpartial_tools.data.sites import site_paths
-
-    sizes = {}
-    for site, path in site_paths(split_dir).items():
-        if path.endswith(".npz"):
-            with np.load(path, allow_pickle=False) as z:  # only the val labels are read
-                sizes[site] = int(z["val_labels"].shape[0]) if "val_labels" in z.files else 0
-        else:
-            val = load_site_file(path).splits.get("val")
-            sizes[site] = 0 if val is None else len(val)
-    return sizes
-
-
-def sites_val_row(name, suite, job, seed, ws, source, seconds) -> dict:
-    """A row scored on what the sites can compute: each site's own val split, labelled as the site
-    holds it, scored on the server's final (and best) model in FLARE's cross-site evaluation
-    (``cross_site_val.json``) and pooled as the server receives it (classification: mean over the
-    sites with a score, weighted by their val images; segmentation: Dice over every site's val
-    pixels). No source split is read. ``selection_metric`` names the metric ranked on.
-
-    Raises:
-        FileNotFoundError: naming the workspace, when the job left no cross-site evaluation.
-    """
-    from fedpartial_tools.run.results import server_model_validation
-
-    path = os.path.join(ws, "cross_site_val.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"suite '{name}' job '{job}' seed {seed}: '{path}' is missing (no cross-site "
-                                f"evaluation): the sites' val scores are read from it; train again")
-    sizes = site_val_sizes(os.path.join(os.path.dirname(ws), "sites"))
-    scores = server_model_validation(json.load(open(path)), sizes)
-    final, best = scores.get("global_model.pt", {}), scores.get("best_global_model.pt", {})
-    row = _row_head(name, suite, job, seed, ws, source, seconds, "val")
-    for k in suite.metrics:
-        value = best.get(k[:-len("_best")]) if k.endswith("_best") else final.get(k)
-        row[k] = float("nan") if value is None else float(value)
-    key = row["selection_metric"]
-    row[key] = float(final.get(key, float("nan")))
-    return _with_curve(row, suite, ws)
-
 
 
 def native_scorer(info: dict, scored, where: str):

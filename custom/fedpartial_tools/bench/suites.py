@@ -444,16 +444,3 @@ def suites_of(rows: Sequence[dict]) -> List[str]:
 def is_segmentation(name: str) -> bool:
     """Whether suite ``name`` is scored with Dice (segmentation)."""
     return any(k.startswith("dice") for k in SUITES[name].metrics)
-
-
-#: what ``bench --select-on val`` ranks a segmentation suite by: the Dice every site's validation
-#: returns and the server pools over the sites' val pixels (a per-image Dice is not pooled)
-SITES_VAL_SEGMENTATION_KEY = "dice_pooled"
-
-
-def selection_key(name: str, scored_on: str) -> str:
-    """The metric ``bench --select-on`` ranks suite ``name``'s settings by: its first metric, or on the
-    sites' own val splits (``val``) of a segmentation suite the pooled Dice the server receives."""
-    if scored_on == "val" and is_segmentation(name):
-        return SITES_VAL_SEGMENTATION_KEY
-    return SUITES[name].metrics[0]

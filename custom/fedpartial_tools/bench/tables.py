@@ -10,7 +10,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from fedpartial_tools.bench.plots import plot_results
-from fedpartial_tools.bench.suites import GROUP_METRICS, SUITE_GROUPS, SUITES, selection_key, suites_of
+from fedpartial_tools.bench.selection import selection_key
+from fedpartial_tools.bench.suites import GROUP_METRICS, SUITE_GROUPS, SUITES, suites_of
 
 
 def gap_closed(value: float, lower: float, upper: float) -> float:
