@@ -694,27 +694,43 @@ def test_selection_on_the_sites_val_is_what_the_server_received(tmp_path):
 
 
 def test_tables_give_the_sample_std_and_the_gap_share_of_the_means():
-    rows = [{"suite": "fedia-dsb-m2", "method": m, "seed": s, "dice": v, "iou": v, "rounds": 30}
+    rows = [{"suite": "fedia-dsb-m2", "method": m, "seed": s, "dice_native": v, "iou_native": v, "rounds": 30}
             for m, values in (("fedavg_seg", (0.60, 0.62)), ("fedavg_seg_full", (0.70, 0.70)), ("fedia", (0.64, 0.68)))
             for s, v in zip((0, 1), values)]
     md = tables.suite_table("fedia-dsb-m2", rows)
     assert "mean ± sample std (ddof 1) over seeds" in md
-    # gap of the means: (0.66 - 0.61) / (0.70 - 0.61) = 55.6 %; std of (0.64, 0.68) = 0.02 * sqrt(2) = 0.028
-    assert "| fedia | 0.660 ± 0.028 | 0.660 ± 0.028 | 56% | 56% |" in md
-    seeds = tables.per_seed_table("fedia-dsb-m2", rows, ["dice"])
-    assert "| job | dice seed 0 | dice seed 1 |" in seeds and "| fedia | 0.640 | 0.680 |" in seeds
+    # gap of the means: (0.66 - 0.61) / (0.70 - 0.61) = 55.6 %; std of (0.64, 0.68) = 0.02 * sqrt(2) = 0.028;
+    # rows without the model-size dice / iou show "–" there
+    assert "| fedia | 0.660 ± 0.028 | 0.660 ± 0.028 | – | – | 56% | 56% |" in md
+    seeds = tables.per_seed_table("fedia-dsb-m2", rows, ["dice_native"])
+    assert "| job | dice_native seed 0 | dice_native seed 1 |" in seeds and "| fedia | 0.640 | 0.680 |" in seeds
+
+
+def test_dsb_dice_is_scored_at_the_files_own_size():
+    """The 2 x 2 probabilities of the model's size are upsampled (bilinear) to the file's 4 x 4 masks:
+    the upsampled map is above 0.5 on the top-left 2 x 2 only (0.9, 0.7 / 0.7, 0.55), against a 3 x 3
+    lesion Dice 2*4 / (4 + 9), IoU 4 / 9; an image empty in truth and prediction scores 1."""
+    from fedpartial.data.types import Split
+    from fedpartial_tools.bench.native import own_size_metrics
+
+    probs = np.array([[[0.9, 0.1], [0.1, 0.1]], [[0.1, 0.1], [0.1, 0.1]]], np.float32)
+    masks = np.zeros((2, 4, 4), np.uint16)
+    masks[0, :3, :3] = 7  # an instance id: > 0 is lesion
+    got = own_size_metrics(probs, Split(np.zeros((2, 4, 4), np.uint8), masks))
+    assert got["dice_native"] == pytest.approx((8 / 13 + 1) / 2) and got["iou_native"] == pytest.approx((4 / 9 + 1) / 2)
+    assert bench_suites.SUITES["fedia-dsb-m2"].metrics[:2] == ["dice_native", "iou_native"]
 
 
 def test_last_rounds_range_and_its_column():
     # last 5 of [0.1, 0.9, 0.3, 0.5, 0.4, nan, 0.6]: 0.3 0.5 0.4 (nan left out) 0.6 -> 0.6 - 0.3
     assert tables.last_rounds_range([0.1, 0.9, 0.3, 0.5, 0.4, float("nan"), 0.6]) == pytest.approx(0.3)
     assert np.isnan(tables.last_rounds_range([0.4]))
-    rows = [{"suite": "fedia-dsb-m2", "method": m, "seed": s, "dice": 0.6, "iou": 0.5, "rounds": 30,
+    rows = [{"suite": "fedia-dsb-m2", "method": m, "seed": s, "dice_native": 0.6, "iou_native": 0.5, "rounds": 30,
              tables.LAST_ROUNDS_KEY: v}
             for m, values in (("fedavg_seg", (0.10, 0.20)), ("fedavg_seg_full", (0.0, 0.0)), ("fedia", (0.05, 0.05)))
             for s, v in zip((0, 1), values)]
     md = tables.suite_table("fedia-dsb-m2", rows)
-    assert "val dice range, last 5 rounds |" in md
+    assert "val dice_native range, last 5 rounds |" in md
     assert md.splitlines()[-3].endswith("| 0.150 ± 0.071 |")  # fedavg_seg: mean 0.15, std 0.1/sqrt(2)
 
 

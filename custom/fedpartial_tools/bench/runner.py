@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from fedpartial_tools.bench.native import native_scorer, own_size_metrics
 from fedpartial_tools.bench.overlays import load_for_eval, write_overlays
 from fedpartial_tools.bench.selection import selection_key
 from fedpartial_tools.bench.suites import DEFAULT_DATA, REPO, SUITES, Suite, is_segmentation, matched_sets
@@ -183,7 +184,8 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
     if split_name not in source_data.splits:
         raise ValueError(f"'{source}' has no {split_name} split to score suite '{name}' on")
     # only the scored split is resized and read
-    source_data = dataclasses.replace(source_data, splits={split_name: source_data.splits[split_name]})
+    own = source_data.splits[split_name]  # at the file's own size, before the resizing to the model's
+    source_data = dataclasses.replace(source_data, splits={split_name: own})
     model, meta, data = load_for_eval(ws, source_data, device)
     scored = data.splits[split_name]
     metrics = evaluate_split(model, scored, data.task, data.class_names, meta["normalisation"], device)
@@ -198,6 +200,8 @@ def _evaluate_row(name, suite, job, seed, ws, source, seconds, score_on: str = "
         metrics.update(segmentation_metrics(probs > 0.5, np.asarray(scored.labels) > 0))
         if native is not None:
             metrics["dice_pooled_native"] = native(probs)
+        else:  # each image at the file's own size (DSB2018's: 256 px), not the model's
+            metrics.update(own_size_metrics(probs, own))
     row = _row_head(name, suite, job, seed, ws, source, seconds, score_on)
     if suite.shifted_test:
         from fedpartial_tools.data import synthetic
@@ -237,38 +241,6 @@ def _with_curve(row: dict, suite, ws: str) -> dict:
     row["curve"] = json.dumps(curve)
     row[LAST_ROUNDS_KEY] = last_rounds_range(curve)
     return row
-
-
-def native_scorer(info: dict, scored, where: str):
-    """A function of the scored split's lesion probabilities giving the pooled Dice on the held-out
-    patient's native grid (:func:`fedpartial_tools.data.harmonise.dice_pooled_native`), for a file of
-    :func:`fedpartial_tools.data.harmonise.hold_out_patient`; None for any other file.
-
-    Args:
-        info: the scored file's info (``native`` and ``input_agreement``).
-        scored: its test split (row ids = patient id * ROW_ID_BASE + slice id, slice-id order).
-        where: the scored file, for messages.
-
-    Raises:
-        DataError: naming the files when the split's rows are not the native file's slices of the
-            patient, in slice-id order.
-    """
-    from fedpartial.data.grid import AGREEMENT_KEY, InputAgreement
-    from fedpartial.data.types import DataError
-    from fedpartial_tools.data.harmonise import NATIVE_KEY, ROW_ID_BASE, dice_pooled_native, native_patient
-
-    native = (info or {}).get(NATIVE_KEY)
-    if not native:
-        return None
-    agreement = InputAgreement.from_dict(info.get(AGREEMENT_KEY), f"'{where}' info_json '{AGREEMENT_KEY}'")
-    images, masks, slice_ids = native_patient(native["path"], native["patient"])
-    expected = (int(native["patient"]) * ROW_ID_BASE + slice_ids).tolist()
-    got = [] if scored.ids is None else [int(i) for i in np.asarray(scored.ids).tolist()]
-    if got != expected:
-        raise DataError(f"'{where}': the test rows (test_image_ids) are not the slices of patient {native['patient']} "
-                        f"of '{native['path']}' in slice-id order; the native scores need them one for one")
-    return lambda probs: dice_pooled_native(probs, images, masks, native["spacing_mm"], native["orientation"],
-                                            agreement)
 
 
 def split_source(out_dir: str, name: str, seed: int, data_dir: str) -> str:
