@@ -88,6 +88,24 @@ def test_card_of_a_hand_made_run(tmp_path):
         assert text in md, text
 
 
+def test_the_runtime_quotes_no_measured_number_and_names_where_the_numbers_are():
+    """A number in the runtime drifts from the committed result rows when they are measured again: the
+    notes say what kind of limit was measured and name the README / RESULTS rows that hold the values."""
+    import re
+
+    from fedpartial.algorithms.registry import CLIENT_RULES
+    from fedpartial.flare.model_card import METHOD_NOTES
+
+    assert set(METHOD_NOTES) == set(CLIENT_RULES)
+    measured = re.compile(r"\d+\.\d+|\d+ ?%|\bvs\b")  # a score, a share, a comparison of two
+    for rule, notes in METHOD_NOTES.items():
+        for key in ("intended_use", "known_limits"):
+            assert not measured.search(notes[key]), (rule, key, measured.search(notes[key]).group())
+        assert notes["source"].startswith("README.md#results"), rule
+        heading = "## Results" if "#results" in notes["source"] else ""
+        assert heading in (Path(__file__).resolve().parents[1] / "README.md").read_text(), rule
+
+
 def test_an_evaluation_is_appended_to_both_files(tmp_path):
     run = _hand_run(tmp_path)
     write_card(str(run), build_card(str(run), "fedavg", {}, None))
