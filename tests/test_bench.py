@@ -184,8 +184,11 @@ def test_diagnostics_reach_the_method_job_only(tmp_path, monkeypatch):
     rows = bench_run.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
                                extra=["rule_args.lr=0.01"], diagnostics=True, log=lambda *_: None)
     with_ref = [job for job, sets in calls if bench_run.REFERENCE_SET in sets]
-    # 3 baselines, the method and its two variants (which run the method's job folder)
-    assert with_ref == ["fedlsm", "fedlsm", "fedlsm"] and len(calls) == 6
+    # 3 baselines, FedAvg matched in compute (the fedavg job), the method and its two variants (which run
+    # the method's job folder)
+    assert with_ref == ["fedlsm", "fedlsm", "fedlsm"] and len(calls) == 7
+    compute = [sets for job, sets in calls if any(s.startswith("rule_args.steps_of=") for s in sets)]
+    assert [job for job, sets in calls].count("fedavg") == 2 and len(compute) == 1
     assert all("seed=3" in sets and "rule_args.lr=0.01" in sets for _, sets in calls)
     assert json.loads(rows[0]["bench_args"]) == {"profile": "cpu", "rounds": None, "sets": ["rule_args.lr=0.01"],
                                                  "diagnostics": True}
