@@ -184,8 +184,11 @@ def test_diagnostics_reach_the_method_job_only(tmp_path, monkeypatch):
     rows = bench_run.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[3], data_dir=str(tmp_path / "data"),
                                extra=["rule_args.lr=0.01"], diagnostics=True, log=lambda *_: None)
     with_ref = [job for job, sets in calls if bench_run.REFERENCE_SET in sets]
-    # 3 baselines, the method and its two variants (which run the method's job folder)
-    assert with_ref == ["fedlsm", "fedlsm", "fedlsm"] and len(calls) == 6
+    # 3 baselines, FedAvg matched in compute (the fedavg job), the method and its two variants (which run
+    # the method's job folder)
+    assert with_ref == ["fedlsm", "fedlsm", "fedlsm"] and len(calls) == 7
+    compute = [sets for job, sets in calls if any(s.startswith("rule_args.steps_of=") for s in sets)]
+    assert [job for job, sets in calls].count("fedavg") == 2 and len(compute) == 1
     assert all("seed=3" in sets and "rule_args.lr=0.01" in sets for _, sets in calls)
     assert json.loads(rows[0]["bench_args"]) == {"profile": "cpu", "rounds": None, "sets": ["rule_args.lr=0.01"],
                                                  "diagnostics": True}
@@ -589,8 +592,9 @@ def test_fedia_lesions_job_is_what_the_real_lesion_suites_measure():
 
 
 def test_selection_scores_the_val_split_only_and_reuse_scores_the_saved_model(monkeypatch, tmp_path):
-    """``--select-on val`` scores each job's final model on the source's val split, never reading
-    the test split; ``--reuse`` then scores the same saved model on test without training again."""
+    """``--select-on val-complete`` scores each job's final model on the source's curated val split,
+    never reading the test split; ``--reuse`` then scores the same saved model on test without
+    training again."""
     from fedpartial.data.npz import save_npz
     from fedpartial.evaluation import evaluate_split
     import torch
@@ -625,10 +629,11 @@ def test_selection_scores_the_val_split_only_and_reuse_scores_the_saved_model(mo
     monkeypatch.setattr("fedpartial_tools.run.simulator.simulate", fake_simulate)
     run = lambda **kw: bench_run.run_suite("fedlsm-ham", str(tmp_path / "out"), seeds=[0], jobs=["fedavg", "fedlsm"],
                                            data_dir=str(tmp_path / "data"), log=lambda *_: None, **kw)  # noqa: E731
-    rows = run(score_on="val")
+    rows = run(score_on="val-complete")
     assert trained == ["fedavg", "fedlsm"] and set(scored) == {30}  # 30 val images, never the 40 test images
     expect = real_evaluate(model, data.splits["val"], "single-label", data.class_names, norm, "cpu")
-    assert rows[0]["scored_on"] == "val" and rows[0]["auc"] == pytest.approx(expect["auc"])
+    assert rows[0]["scored_on"] == "val-complete" and rows[0]["auc"] == pytest.approx(expect["auc"])
+    assert rows[0]["selection_metric"] == "auc"
     scored.clear()
     rows = run(reuse=True)
     assert trained == ["fedavg", "fedlsm"] and set(scored) == {40}  # nothing trained again; test scored
@@ -640,40 +645,95 @@ def test_selection_scores_the_val_split_only_and_reuse_scores_the_saved_model(mo
 
 
 def test_selection_table_ranks_the_methods_settings_by_val_mean():
-    rows = [{"suite": "fedlsm-ham", "method": m, "seed": s, "auc": v}
+    rows = [{"suite": "fedlsm-ham", "method": m, "seed": s, "auc": v, "scored_on": "val"}
             for m, values in (("fedlsm", (0.80, 0.84)), ("fedlsm_renormalised", (0.85, 0.87)), ("fedavg", (0.90, 0.90)))
             for s, v in zip((0, 1), values)]
     md = tables.selection_table("fedlsm-ham", rows)
     lines = [line for line in md.splitlines() if line.startswith("| ")][1:]
     # fedlsm_renormalised 0.86 ranks above fedlsm 0.82; the baseline is listed but never chosen, whatever its score
-    assert lines[0].startswith("| 1 | fedlsm_renormalised | rule_args.renormalise_missing=true | 0.8600 ± 0.0141 |")
-    assert lines[1].startswith("| 2 | fedlsm | as shipped | 0.8200 ± 0.0283 |")
-    assert lines[2].startswith("|  | fedavg | baseline | 0.9000 ± 0.0000 |")
-    assert "Chosen: **fedlsm_renormalised**" in md and "--jobs fedavg,fedavg_full,fedlsm_renormalised --reuse" in md
+    assert lines[0].startswith("| 1 | fedlsm_renormalised | rule_args.renormalise_missing=true | val | 0.8600 ± 0.0141 |")
+    assert lines[1].startswith("| 2 | fedlsm | as shipped | val | 0.8200 ± 0.0283 |")
+    assert lines[2].startswith("|  | fedavg | baseline | val | 0.9000 ± 0.0000 |")
+    assert "sites' own val, their labels" in md
+    assert "Chosen on val: **fedlsm_renormalised**" in md
+    assert "--jobs fedavg,fedavg_full,fedlsm_renormalised --reuse" in md
+    # rows ranked on the curated complete val split get a table of their own, marked in every row
+    curated = [dict(r, method="fedlsm_tau80" if r["method"] == "fedlsm" else r["method"], scored_on="val-complete",
+                    auc=r["auc"] - 0.1) for r in rows]
+    md = tables.selection_table("fedlsm-ham", rows + curated)
+    assert md.count("Chosen on ") == 2 and "curated complete val (no site holds it)" in md
+    assert "| 2 | fedlsm_tau80 | rule_args.tau=0.8 rule_args.tau_l=0.7 | val-complete | 0.7200 ± 0.0283 |" in md
+
+
+def test_selection_on_the_sites_val_is_what_the_server_received(tmp_path):
+    """``--select-on val`` reads no split: each site's score of the final (and best) model from the
+    cross-site evaluation, averaged over the sites with a score weighted by their val images (an
+    unlabelled site sends none; a NaN says nothing); segmentation ranks on the pooled Dice."""
+    seed_dir = tmp_path / "fedirm-ham" / "seed0"
+    (seed_dir / "sites").mkdir(parents=True)
+    for site, n in (("site-1", 10), ("site-2", 30), ("site-3", 20)):
+        np.savez(seed_dir / "sites" / f"{site}.npz", val_labels=np.zeros((n, 7), np.float32))
+    ws = seed_dir / "fedirm"
+    ws.mkdir()
+    (ws / "metrics.json").write_text(json.dumps({"rounds": [{"round": 0, "sites": {}}]}))
+    cross = {"site-1": {"SRV_global_model": {"auc": 0.6, "f1": 0.2, "accuracy": 0.5, "bacc": float("nan")},
+                        "SRV_best_global_model": {"auc": 0.7, "f1": 0.4}},
+             "site-2": {"SRV_global_model": {"auc": 0.8, "f1": 0.6, "accuracy": 0.7, "bacc": 0.5},
+                        "SRV_best_global_model": {"auc": 0.9, "f1": 0.8}},
+             "site-3": {"SRV_global_model": {}, "SRV_best_global_model": {}}}  # unlabelled: no score
+    (ws / "cross_site_val.json").write_text(json.dumps(cross))
+    suite = bench_suites.SUITES["fedirm-ham"]
+    row = bench_run._evaluate_row("fedirm-ham", suite, "fedirm", 0, str(ws), "ham10000_28.npz", 1.0, "val")
+    assert row["scored_on"] == "val" and row["selection_metric"] == "auc"
+    assert row["auc"] == pytest.approx((10 * 0.6 + 30 * 0.8) / 40) and row["f1"] == pytest.approx(0.5)
+    assert row["auc_best"] == pytest.approx((10 * 0.7 + 30 * 0.9) / 40) and row["bacc"] == 0.5
+    os.remove(ws / "cross_site_val.json")
+    with pytest.raises(FileNotFoundError, match="fedirm-ham fedirm: .*cross_site_val.json' is missing"):
+        bench_run._evaluate_row("fedirm-ham", suite, "fedirm", 0, str(ws), "ham10000_28.npz", 1.0, "val")
+    from fedpartial_tools.bench.selection import selection_key
+
+    assert selection_key("fedia-dsb-m2", "val") == "dice_pooled"
+    assert selection_key("fedia-dsb-m2", "val-complete") == bench_suites.SUITES["fedia-dsb-m2"].metrics[0]
 
 
 def test_tables_give_the_sample_std_and_the_gap_share_of_the_means():
-    rows = [{"suite": "fedia-dsb-m2", "method": m, "seed": s, "dice": v, "iou": v, "rounds": 30}
+    rows = [{"suite": "fedia-dsb-m2", "method": m, "seed": s, "dice_native": v, "iou_native": v, "rounds": 30}
             for m, values in (("fedavg_seg", (0.60, 0.62)), ("fedavg_seg_full", (0.70, 0.70)), ("fedia", (0.64, 0.68)))
             for s, v in zip((0, 1), values)]
     md = tables.suite_table("fedia-dsb-m2", rows)
     assert "mean ± sample std (ddof 1) over seeds" in md
-    # gap of the means: (0.66 - 0.61) / (0.70 - 0.61) = 55.6 %; std of (0.64, 0.68) = 0.02 * sqrt(2) = 0.028
-    assert "| fedia | 0.660 ± 0.028 | 0.660 ± 0.028 | 56% | 56% |" in md
-    seeds = tables.per_seed_table("fedia-dsb-m2", rows, ["dice"])
-    assert "| job | dice seed 0 | dice seed 1 |" in seeds and "| fedia | 0.640 | 0.680 |" in seeds
+    # gap of the means: (0.66 - 0.61) / (0.70 - 0.61) = 55.6 %; std of (0.64, 0.68) = 0.02 * sqrt(2) = 0.028;
+    # rows without the model-size dice / iou show "–" there
+    assert "| fedia | 0.660 ± 0.028 | 0.660 ± 0.028 | – | – | 56% | 56% |" in md
+    seeds = tables.per_seed_table("fedia-dsb-m2", rows, ["dice_native"])
+    assert "| job | dice_native seed 0 | dice_native seed 1 |" in seeds and "| fedia | 0.640 | 0.680 |" in seeds
+
+
+def test_dsb_dice_is_scored_at_the_files_own_size():
+    """The 2 x 2 probabilities of the model's size are upsampled (bilinear) to the file's 4 x 4 masks:
+    the upsampled map is above 0.5 on the top-left 2 x 2 only (0.9, 0.7 / 0.7, 0.55), against a 3 x 3
+    lesion Dice 2*4 / (4 + 9), IoU 4 / 9; an image empty in truth and prediction scores 1."""
+    from fedpartial.data.types import Split
+    from fedpartial_tools.bench.native import own_size_metrics
+
+    probs = np.array([[[0.9, 0.1], [0.1, 0.1]], [[0.1, 0.1], [0.1, 0.1]]], np.float32)
+    masks = np.zeros((2, 4, 4), np.uint16)
+    masks[0, :3, :3] = 7  # an instance id: > 0 is lesion
+    got = own_size_metrics(probs, Split(np.zeros((2, 4, 4), np.uint8), masks))
+    assert got["dice_native"] == pytest.approx((8 / 13 + 1) / 2) and got["iou_native"] == pytest.approx((4 / 9 + 1) / 2)
+    assert bench_suites.SUITES["fedia-dsb-m2"].metrics[:2] == ["dice_native", "iou_native"]
 
 
 def test_last_rounds_range_and_its_column():
     # last 5 of [0.1, 0.9, 0.3, 0.5, 0.4, nan, 0.6]: 0.3 0.5 0.4 (nan left out) 0.6 -> 0.6 - 0.3
     assert tables.last_rounds_range([0.1, 0.9, 0.3, 0.5, 0.4, float("nan"), 0.6]) == pytest.approx(0.3)
     assert np.isnan(tables.last_rounds_range([0.4]))
-    rows = [{"suite": "fedia-dsb-m2", "method": m, "seed": s, "dice": 0.6, "iou": 0.5, "rounds": 30,
+    rows = [{"suite": "fedia-dsb-m2", "method": m, "seed": s, "dice_native": 0.6, "iou_native": 0.5, "rounds": 30,
              tables.LAST_ROUNDS_KEY: v}
             for m, values in (("fedavg_seg", (0.10, 0.20)), ("fedavg_seg_full", (0.0, 0.0)), ("fedia", (0.05, 0.05)))
             for s, v in zip((0, 1), values)]
     md = tables.suite_table("fedia-dsb-m2", rows)
-    assert "val dice range, last 5 rounds |" in md
+    assert "val dice_native range, last 5 rounds |" in md
     assert md.splitlines()[-3].endswith("| 0.150 ± 0.071 |")  # fedavg_seg: mean 0.15, std 0.1/sqrt(2)
 
 

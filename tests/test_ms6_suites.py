@@ -13,7 +13,7 @@ import pytest
 from fedpartial.data.grid import AGREEMENT_KEY, InputAgreement, load_agreement
 from fedpartial.data.npz import load_npz
 from fedpartial.data.types import DataError
-from fedpartial_tools.bench import cli as bench, runner as bench_run, suites as bench_suites
+from fedpartial_tools.bench import cli as bench, runner as bench_run, sources as bench_sources, suites as bench_suites
 from fedpartial_tools.bench.suites import MS6_PATIENTS, SUITE_GROUPS, SUITES, job_settings, suite_names
 from fedpartial_tools.cli import build_parser
 from fedpartial_tools.data.harmonise import (ROW_ID_BASE, StatedSource, back_to_native, combine_sources,
@@ -198,7 +198,7 @@ def test_held_out_patient_is_never_in_training_or_val(sources, tmp_path, monkeyp
     for _, _, sets in calls:
         assert set(SUITES["ms6-p3-m2"].agreement_sets()) <= set(sets)
     # a patient's val slices do not depend on which patient is held out
-    bench_run.suite_source(SUITES["ms6-p7-m3"], "cpu", str(sources), str(out))
+    bench_sources.suite_source(SUITES["ms6-p7-m3"], "cpu", str(sources), str(out))
     other = load_npz(str(out / "_data" / "ms6_flair_agreed_holdout7_val15.npz"))
     def val_ids(data, p):
         return sorted(i for i in np.asarray(data.splits["val"].ids).tolist() if i // ROW_ID_BASE == p)
@@ -208,15 +208,36 @@ def test_held_out_patient_is_never_in_training_or_val(sources, tmp_path, monkeyp
 
 
 def test_selection_on_val_never_reads_the_held_out_patient(sources, tmp_path, monkeypatch):
-    """--select-on val scores the held-out file's val split, which holds no slice of the patient."""
-    _fake_run(monkeypatch)
+    """The selection's own scoring (``_evaluate_row``, not replaced here): ``--select-on val-complete``
+    scores the held-out file's val split, which holds no slice of the patient, and never its test
+    split; ``--select-on val`` reads no source split at all, only what the sites' validation sent."""
+    import fedpartial.evaluation as evaluation
+    from fedpartial.metrics import validation_metrics
+
+    def fake_simulate(job, root, ws, sets, log=None):
+        os.makedirs(ws, exist_ok=True)
+        Path(ws, "metrics.json").write_text(json.dumps({"rounds": [{"round": 0, "sites": {}}]}))
+        site = {"tp": 5, "fp": 1, "fn": 4, "n_images": 3, "predicted_lesion_share": 1.0, "dice_pooled": 10 / 15}
+        Path(ws, "cross_site_val.json").write_text(json.dumps(
+            {f"site-{k}": {"SRV_global_model": site, "SRV_best_global_model": site} for k in range(1, 5)}))
+
+    monkeypatch.setattr("fedpartial_tools.run.simulator.simulate", fake_simulate)
     scored = []
-    monkeypatch.setattr(bench_run, "_evaluate_row", lambda name, suite, job, seed, ws, source, sec, on="test":
-                        scored.append(load_npz(source).splits[on].ids) or {"method": job})
-    bench_run.run_suite("ms6-p19-m3", str(tmp_path), seeds=[1], jobs=["fedia_lesions"], data_dir=str(sources),
-                        score_on="val", log=lambda *_: None)
+    monkeypatch.setattr(evaluation, "predict_split", lambda m, split, *a, **k: (np.asarray(split.labels) > 0) * 1.0)
+    monkeypatch.setattr(evaluation, "evaluate_split", lambda m, split, *a, **k: scored.append(split.ids) or
+                        validation_metrics(np.asarray(split.labels) > 0, np.asarray(split.labels) > 0))
+    monkeypatch.setattr(bench_run, "load_for_eval", lambda ws, data, device: (None, {"normalisation": {}}, data))
+    rows = bench_run.run_suite("ms6-p19-m3", str(tmp_path), seeds=[1], jobs=["fedia_lesions"], data_dir=str(sources),
+                               score_on="val-complete", log=lambda *_: None)
     (ids,) = scored
     assert len(ids) == 10 and not any(i // ROW_ID_BASE == 19 for i in np.asarray(ids).tolist())
+    assert rows[0]["scored_on"] == "val-complete" and rows[0]["dice_pooled"] == 1.0
+    scored.clear()
+    monkeypatch.setattr(bench_run, "load_npz", lambda *a: pytest.fail("read a source split"), raising=False)
+    rows = bench_run.run_suite("ms6-p19-m3", str(tmp_path), seeds=[1], jobs=["fedia_lesions"], data_dir=str(sources),
+                               score_on="val", log=lambda *_: None)
+    assert not scored and rows[0]["scored_on"] == "val" and rows[0]["selection_metric"] == "dice_pooled"
+    assert rows[0]["dice_pooled"] == pytest.approx(2 * 20 / (2 * 20 + 4 + 16))  # pooled over the 4 sites' pixels
 
 
 def test_combining_refuses_a_patient_id_in_two_sources(sources, tmp_path):
@@ -232,14 +253,14 @@ def test_combining_refuses_a_patient_id_in_two_sources(sources, tmp_path):
 
 def test_a_file_made_with_another_agreement_is_refused(sources, tmp_path):
     suite = SUITES["ms6-p2-m2"]
-    made = bench_run.suite_source(suite, "cpu", str(sources), str(tmp_path))
+    made = bench_sources.suite_source(suite, "cpu", str(sources), str(tmp_path))
     other = InputAgreement.from_dict({"size": [160, 192]})
     from fedpartial_tools.data.harmonise import combine_npz
 
     combine_npz(suite.combine, other, str(tmp_path / "_data" / suite.dataset), str(sources))
     os.remove(made)
     with pytest.raises(ValueError, match=r"another input agreement .*size.*give another --out"):
-        bench_run.suite_source(suite, "cpu", str(sources), str(tmp_path))
+        bench_sources.suite_source(suite, "cpu", str(sources), str(tmp_path))
 
 
 # ---- the one command --------------------------------------------------------------------------------
@@ -336,11 +357,11 @@ def test_rows_scored_natively_are_the_held_out_patients_slices(sources, tmp_path
     (ws / "metrics.json").write_text(json.dumps({"rounds": [{"round": 0, "sites": {}}]}))
     (ws / "best_global_model.pt").write_bytes(b"")
     for name, low in (("ms6-p7-m2", 1.0), ("ms6-p3-m2", 0.9)):
-        source = bench_run.suite_source(SUITES[name], "cpu", str(sources), str(tmp_path))
+        source = bench_sources.suite_source(SUITES[name], "cpu", str(sources), str(tmp_path))
         row = bench_run._evaluate_row(name, SUITES[name], "fedia_lesions", 0, str(ws), source, 1.0)
         assert low <= row["dice_pooled_native"] <= 1.0 and row["dice_pooled_native_best"] == row["dice_pooled_native"]
         assert row["dice_pooled"] == 1.0
-        val = bench_run._evaluate_row(name, SUITES[name], "fedia_lesions", 0, str(ws), source, 1.0, "val")
+        val = bench_run._evaluate_row(name, SUITES[name], "fedia_lesions", 0, str(ws), source, 1.0, "val-complete")
         assert np.isnan(val["dice_pooled_native"])
     test = load_npz(source).splits["test"]
     shuffled = test.subset(np.arange(len(test))[::-1])
@@ -408,11 +429,11 @@ def test_rater2_sites_train_and_validate_on_the_second_raters_masks(sources, tmp
     assert swapped > 0
     # again: nothing changes, and a site that drops lesions is refused
     before = load_npz(str(split_dir / "site-1.npz")).splits["train"].labels.copy()
-    bench_run.use_second_rater(str(split_dir), str(tmp_path / "_data" / "ms6_flair_agreed_holdout7_val15.npz"),
+    bench_sources.use_second_rater(str(split_dir), str(tmp_path / "_data" / "ms6_flair_agreed_holdout7_val15.npz"),
                                ["site-1"])
     assert np.array_equal(load_npz(str(split_dir / "site-1.npz")).splits["train"].labels, before)
     bench_run.run_suite("ms6-p7-m2", str(tmp_path), seeds=[0], data_dir=str(sources), overlay_images=0,
                         log=lambda *_: None)
     with pytest.raises(DataError, match="site 'site-1' .* keeps 20% of its lesions"):
-        bench_run.use_second_rater(str(tmp_path / "ms6-p7-m2" / "seed0" / "sites"),
+        bench_sources.use_second_rater(str(tmp_path / "ms6-p7-m2" / "seed0" / "sites"),
                                    str(tmp_path / "_data" / "ms6_flair_agreed_holdout7_val15.npz"), ["site-1"])

@@ -64,6 +64,12 @@ def test_pooled_thresholds_by_hand():
 def test_ties_go_to_the_edge_nearest_one_half_and_no_true_positive_is_default():
     # t=0.25 and t=0.5 both give TP 2 FP 0 FN 0 (F1 1); t=0.75 gives 2/3
     assert best_f1_threshold([0, 0, 1, 1], [1, 0, 0, 0]) == (0.5, 1.0)
+    # t=0.5 and t=0.75 both give TP 2 FP 0 FN 0 (F1 1), t=0.25 TP 2 FP 1 (4/5): the higher tied edge is
+    # not the one nearest 0.5
+    assert best_f1_threshold([0, 0, 0, 2], [1, 1, 0, 0]) == (0.5, 1.0)
+    # t=0.25 TP 2 FP 2 FN 0 and t=0.75 TP 1 FP 0 FN 1 both give 2/3 (t=0.5: 2/5), equally far from 0.5:
+    # the lower edge
+    assert best_f1_threshold([0, 1, 0, 1], [0, 0, 2, 0]) == (0.25, pytest.approx(2 / 3))
     # every positive in the first bin: no inner edge finds one
     assert best_f1_threshold([3, 0, 0, 0], [1, 1, 1, 1]) == (None, 0.0)
     out = choose_thresholds({"pos": np.array([[3, 0, 0, 0]]), "neg": np.array([[1, 1, 1, 1]]),

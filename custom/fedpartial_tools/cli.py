@@ -218,9 +218,9 @@ def build_parser(developer: bool = False) -> argparse.ArgumentParser:
                              "prefix server./client. for one side")
         sp.add_argument("--matched-to", default=None, metavar="METHOD_JOB",
                         help="run this baseline with a method job's model, local recipe (lr, weight decay, betas, "
-                             "batch size, whole local epochs) and rounds, to compare rules like for like: a job "
-                             "folder or a name of jobs/ (e.g. fedlsm, or fedmlp:ctich for a profile); a --set "
-                             "still wins")
+                             "batch size, local epochs, augmentation, imbalance handling), rounds, optimizer steps "
+                             "per round and site weights, to compare rules like for like: a job folder or a name "
+                             "of jobs/ (e.g. fedlsm, or fedmlp:ctich for a profile); a --set still wins")
         sp.add_argument("--profile", default=None,
                         help="a named profile of the job's recipe instead of the shipped (cpu) one, e.g. paper, "
                              "lesions, ctich (python -m fedpartial_tools jobs --list)")

@@ -94,6 +94,16 @@ class ClientRule:
     CONTRIBUTION: FrozenSet[str] = frozenset()
     #: recipe arguments the FedAvg baselines name differently: ``{method's name: baseline's name}``
     RECIPE_NAMES: Dict[str, str] = {}
+    #: What the rule's ``num_samples`` (its weight in the server's size-weighted average) counts:
+    #: ``labelled_rows`` (train rows with a usable label), ``all_rows`` (every train row), or None
+    #: (the rule says nothing). A baseline matched to the method weights its sites the same way.
+    WEIGHT_BY: Optional[str] = None
+
+    def round_steps(self, data: Dataset) -> Optional[int]:
+        """Optimizer steps this rule takes in a round it trains at a site holding ``data`` (called
+        on a constructed rule, before :meth:`setup`). A compute-matched baseline makes as many
+        (``SupervisedClient(steps_of=...)``). None = the rule does not say."""
+        return None
 
     def setup(self, ctx: ClientContext) -> None:
         """Called once before the first round (and again after a site restart)."""

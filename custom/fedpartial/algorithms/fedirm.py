@@ -103,8 +103,8 @@ from fedpartial.algorithms.base import ClientContext, ClientRule, RoundInput, Ro
 from fedpartial.algorithms.fedavg import labelled_rows
 from fedpartial.data.transforms import training_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL
-from fedpartial.training.common import (EMATeacher, ImageSource, batch_indices, probabilities, round_seed,
-                                        seed_everything)
+from fedpartial.training.common import (EMATeacher, ImageSource, batch_indices, epoch_steps, probabilities,
+                                        round_seed, seed_everything)
 from fedpartial.training.losses import masked_bce_with_logits, masked_cross_entropy
 
 TEACHER_FILE = "fedirm_teacher.pt"
@@ -471,6 +471,8 @@ class FedIRMClient(ClientRule):
         "temperature", "ema_decay", "mc_passes", "entropy_threshold", "multilabel_entropy_threshold", "min_confidence",
         "ramp_rounds", "reliable_fraction", "reliable_per_class", "max_unsupervised_weight", "relation_weight",
         "pseudo_label_weight", "pseudo_label_balance", "unlabelled_start_round", "ramp_scales_lr"})
+    # a labelled site's rows with a usable label (an unlabelled site's weight is the server's rule)
+    WEIGHT_BY = "labelled_rows"
 
     def __init__(self, temperature: float = 2.0, label_smoothing: float = 0.1, ema_decay: float = 0.99,
                  mc_passes: int = 8, entropy_threshold: float = math.log(2.0),
@@ -524,6 +526,12 @@ class FedIRMClient(ClientRule):
         self._teacher: Optional[EMATeacher] = None
         self._teacher_state: Optional[dict] = None
         self._warned_no_dropout = False
+
+    def round_steps(self, data) -> int:
+        train = data.splits["train"]
+        labelled = train.label_mask is not None and bool(np.asarray(train.label_mask).any())
+        n = len(labelled_rows(train.labels, train.label_mask, data.task)) if labelled else len(train)
+        return self.local_epochs * epoch_steps(n, self.batch_size, drop_last=True)
 
     # ---- set-up ------------------------------------------------------------------------------
     def setup(self, ctx: ClientContext) -> None:

@@ -79,6 +79,7 @@ from fedpartial.data.transforms import flip_batch, make_view
 from fedpartial.data.types import MULTI_LABEL, SINGLE_LABEL, DataError
 from fedpartial.training.common import (EMATeacher, ImageSource, iteration_batches, probabilities, round_seed,
                                         seed_everything)
+from fedpartial.training.losses import class_statistics, pos_weight_from_counts  # noqa: F401 (this module's API)
 
 # Reference defaults (per site): skin 200 / 50 of ~1400 images, chest 2000 / 500 of ~9500.
 DEFAULT_CONFIDENT_FRACTION = {SINGLE_LABEL: 200 / 1400, MULTI_LABEL: 2000 / 9500}
@@ -137,6 +138,23 @@ def sample_entropy(probs: torch.Tensor, label_mask: torch.Tensor, task: str) -> 
     return ((binary * missing).sum(dim=1) / n_missing.clamp_min(1.0)).to(probs.dtype)
 
 
+def split_counts(n: int, confident_fraction: float, uncertain_fraction: float) -> Tuple[int, int]:
+    """Sizes of D_l and D_h of :func:`entropy_split` for ``n`` samples: ``round(fraction * n)``
+    each, D_h at most what D_l leaves."""
+    n_conf = min(n, int(round(confident_fraction * n)))
+    return n_conf, min(n - n_conf, int(round(uncertain_fraction * n)))
+
+
+def round_iterations(pool: int, pool_batch: int, local_epochs: Optional[float], local_iterations: int) -> int:
+    """Steps of a FedLSM round: ``local_iterations``, or with ``local_epochs`` as many as that many
+    epochs of ``pool_batch`` over the ``pool`` samples of D_l ∪ D_m (at least one); 0 with no pool."""
+    if pool <= 0:
+        return 0
+    if local_epochs is None:
+        return int(local_iterations)
+    return max(1, math.ceil(local_epochs * pool / pool_batch))
+
+
 def entropy_split(entropy, confident_fraction: float, uncertain_fraction: float
                   ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split samples by entropy rank into confident (lowest), medium and uncertain (highest).
@@ -161,8 +179,7 @@ def entropy_split(entropy, confident_fraction: float, uncertain_fraction: float
     if values.ndim != 1 or not np.all(np.isfinite(values)):
         raise ValueError("entropy must be a finite 1-D array")
     n = values.shape[0]
-    n_conf = min(n, int(round(confident_fraction * n)))
-    n_unc = min(n - n_conf, int(round(uncertain_fraction * n)))
+    n_conf, n_unc = split_counts(n, confident_fraction, uncertain_fraction)
     order = np.argsort(values, kind="stable")
     confident = np.sort(order[:n_conf])
     uncertain = np.sort(order[n - n_unc:]) if n_unc > 0 else np.empty(0, dtype=np.int64)
@@ -237,28 +254,6 @@ def mixup(x_a: torch.Tensor, y_a: torch.Tensor, x_b: torch.Tensor, y_b: torch.Te
     return lam * x_a + (1.0 - lam) * x_b, lam * y_a + (1.0 - lam) * y_b
 
 
-def class_statistics(labels: np.ndarray, label_mask: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """Annotated positive and negative counts per class (``label_pos``, ``label_neg``)."""
-    annotated = label_mask > 0.5
-    positive = labels > 0.5
-    return (annotated & positive).sum(axis=0).astype(np.float64), (annotated & ~positive).sum(axis=0).astype(np.float64)
-
-
-def pos_weight_from_counts(label_pos, label_neg, max_pos_weight: Optional[float] = None) -> np.ndarray:
-    """BCE positive weight #neg / #pos per class; 1 where a class has no annotated positive.
-
-    Args:
-        label_pos: ``(C,)`` annotated positives.
-        label_neg: ``(C,)`` annotated negatives.
-        max_pos_weight: optional cap (None = no cap, the paper's setting).
-    """
-    pos = np.asarray(label_pos, dtype=np.float64)
-    neg = np.asarray(label_neg, dtype=np.float64)
-    weight = np.where(pos > 0, neg / np.where(pos > 0, pos, 1.0), 1.0)
-    weight = np.where(weight > 0, weight, 1.0)  # a class with no negative: no re-weighting
-    return np.minimum(weight, max_pos_weight) if max_pos_weight else weight
-
-
 # ----------------------------------------------------------------------------- client
 class FedLSMClient(ClientRule):
     """FedLSM local training (see the module docstring).
@@ -292,13 +287,15 @@ class FedLSMClient(ClientRule):
             sample being of a missing class (see :func:`single_label_pseudo_labels`); False = paper.
     """
 
-    # class_weighted_bce / max_pos_weight: the weights come from the server's class counts, FedLSM's statistics
+    # class_weighted_bce / max_pos_weight are imbalance handling any FedAvg site can have: recipe (the
+    # baseline weights by its own counts; FedLSM by the server's sums from the second round)
     CONTRIBUTION = frozenset({
         "ude_pairs", "confident_fraction", "uncertain_fraction", "ema_decay", "tau", "tau_l", "tau_p", "tau_n", "tau_lp",
-        "tau_ln", "lambda_ude", "mixup_alpha", "use_ue", "use_ude", "class_weighted_bce", "max_pos_weight",
-        "eval_batch_size", "renormalise_missing"})
+        "tau_ln", "lambda_ude", "mixup_alpha", "use_ue", "use_ude", "eval_batch_size", "renormalise_missing"})
     # the student's view is what the labelled loss sees: the baselines' augmentation
     RECIPE_NAMES = {"strong_view": "augmentation"}
+    # every row is a sample (num_samples = the site's train size)
+    WEIGHT_BY = "all_rows"
 
     def __init__(self, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 5e-4, batch_size: int = 64,
                  ude_pairs: int = 4, local_iterations: Optional[int] = None, local_epochs: Optional[float] = None,
@@ -368,13 +365,7 @@ class FedLSMClient(ClientRule):
         self.label_mask = torch.from_numpy(mask.astype(np.float32))
         self.label_pos, self.label_neg = class_statistics(labels, mask)
         self.annotated_classes = mask.any(axis=0).astype(np.float64)
-        self.conf_frac = (DEFAULT_CONFIDENT_FRACTION[self.task] if self.confident_fraction is None
-                          else float(self.confident_fraction))
-        self.unc_frac = (DEFAULT_UNCERTAIN_FRACTION[self.task] if self.uncertain_fraction is None
-                         else float(self.uncertain_fraction))
-        entropy_split(np.zeros(1), self.conf_frac, self.unc_frac)  # validates the fractions now
-        self.iterations = (DEFAULT_LOCAL_ITERATIONS[self.task] if self.local_iterations is None
-                           else int(self.local_iterations))
+        self.conf_frac, self.unc_frac, self.iterations = self._task_settings(self.task)
         self._pipeline = None
         self.reference_labels = None
         if ctx.reference is not None:
@@ -383,6 +374,28 @@ class FedLSMClient(ClientRule):
                 raise DataError(f"reference labels of site '{ctx.site}' have shape {ref.shape}, "
                                 f"the site's train labels {labels.shape}")
             self.reference_labels = torch.from_numpy(ref)
+
+    def _task_settings(self, task: str) -> Tuple[float, float, int]:
+        """(confident fraction, uncertain fraction, local iterations) for ``task``: the constructor's,
+        or the paper's per-task defaults."""
+        conf = DEFAULT_CONFIDENT_FRACTION[task] if self.confident_fraction is None else float(self.confident_fraction)
+        unc = DEFAULT_UNCERTAIN_FRACTION[task] if self.uncertain_fraction is None else float(self.uncertain_fraction)
+        entropy_split(np.zeros(1), conf, unc)  # validates the fractions
+        iterations = DEFAULT_LOCAL_ITERATIONS[task] if self.local_iterations is None else int(self.local_iterations)
+        return conf, unc, iterations
+
+    def _pool(self, n: int, conf_frac: float, unc_frac: float) -> Tuple[int, int]:
+        """(samples of D_l ∪ D_m, pool samples per step) at a site of ``n`` samples."""
+        if not self.use_ue:
+            return n, self.batch_size - (self.ude_pairs if self.use_ude and self.ude_pairs > 0 and n > 0 else 0)
+        n_conf, n_unc = split_counts(n, conf_frac, unc_frac)
+        do_ude = self.use_ude and self.ude_pairs > 0 and n_conf > 0 and n_unc > 0
+        return n - n_unc, self.batch_size - (self.ude_pairs if do_ude else 0)
+
+    def round_steps(self, data) -> int:
+        n = len(data.splits["train"])
+        conf_frac, unc_frac, iterations = self._task_settings(data.task)
+        return round_iterations(*self._pool(n, conf_frac, unc_frac), self.local_epochs, iterations)
 
     def _reset_view(self, seed: int) -> None:
         """(Re)build the student's view with a per-round seed (repeatable rounds)."""
@@ -442,9 +455,8 @@ class FedLSMClient(ClientRule):
             pool = confident = uncertain = np.arange(n)
         do_ude = self.use_ude and self.ude_pairs > 0 and len(confident) > 0 and len(uncertain) > 0
         pool_batch = self.batch_size - (self.ude_pairs if do_ude else 0)
-        iterations = self.iterations
-        if self.local_epochs is not None:
-            iterations = max(1, math.ceil(self.local_epochs * len(pool) / pool_batch))
+        # the count round_steps states (what a compute-matched baseline makes)
+        iterations = round_iterations(len(pool), pool_batch, self.local_epochs, self.iterations)
 
         # 3. Teacher and student both start from the global model.
         teacher = EMATeacher(model, self.ema_decay)

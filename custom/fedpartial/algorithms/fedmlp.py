@@ -107,8 +107,8 @@ from fedpartial.algorithms.aggregation import average_classifier_rows, average_w
 from fedpartial.algorithms.base import ClientRule, RoundInput, RoundResult, ServerContext, ServerRule, SiteUpdate
 from fedpartial.data.transforms import training_view
 from fedpartial.data.types import MULTI_LABEL, DataError
-from fedpartial.training.common import ImageSource, batch_indices, round_seed, seed_everything
-from fedpartial.training.losses import masked_bce_with_logits
+from fedpartial.training.common import ImageSource, batch_indices, epoch_steps, round_seed, seed_everything
+from fedpartial.training.losses import logit_adjustment, masked_bce_with_logits, positive_rates  # noqa: F401
 
 #: ``positive_tag_cap`` choices: the paper's rank rule alone, or capped by the class's prevalence
 POSITIVE_TAG_CAPS = ("none", "prevalence")
@@ -176,35 +176,6 @@ SENT_METRICS = {
 # ----------------------------------------------------------------------------------------------
 # Pure helpers (torch / numpy, no FLARE)
 # ----------------------------------------------------------------------------------------------
-
-def positive_rates(targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-class positive rate pi_c,1 among the entries where ``mask`` is 1 (0.5 = no
-    adjustment for a class without any such entry).
-
-    Args:
-        targets: ``(N, C)`` 0/1.
-        mask: ``(N, C)`` 0/1, the entries the loss uses (annotated + tagged).
-    """
-    mask = mask.float()
-    count = mask.sum(0)
-    pos = (targets.float() * mask).sum(0)
-    return torch.where(count > 0, pos / count.clamp_min(1.0), torch.full_like(count, 0.5))
-
-
-def logit_adjustment(pi_pos: torch.Tensor, tau: float = 1.0, eps: float = 1e-3) -> torch.Tensor:
-    """Additive logit offset of the multi-label logit adjustment (paper Eq. 3).
-
-    Eq. 3, p' = p*pi1 / (p*pi1 + (1-p)*pi0) with p = sigmoid(z), equals sigmoid(z + log(pi1/pi0));
-    we use the logit form (numerically stable) and, as Eq. 2, a temperature ``tau`` (1 = Eq. 3).
-
-    Args:
-        pi_pos: ``(C,)`` positive rates pi_c,1 (pi_c,0 = 1 - pi_c,1).
-        tau: strength of the adjustment (paper: 1).
-        eps: rates are clipped to ``[eps, 1-eps]`` so a class with no local positive stays finite.
-    """
-    pi = pi_pos.clamp(eps, 1.0 - eps)
-    return tau * (torch.log(pi) - torch.log1p(-pi))
-
 
 def wpc_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, offset: Optional[torch.Tensor] = None
              ) -> torch.Tensor:
@@ -652,10 +623,15 @@ class FedMLPClient(ClientRule):
             than its ``min_count`` entries.
     """
 
+    # the logit adjustment by local positive rates (use_wpc, la_tau, la_eps) is imbalance handling any
+    # FedAvg site can have: recipe; from the server's prevalence (la_prior) it is FedMLP's own
     CONTRIBUTION = frozenset({
-        "warmup_rounds", "low", "high", "la_tau", "la_eps", "cr_weight", "use_mld", "use_wpc", "use_cr",
+        "warmup_rounds", "low", "high", "cr_weight", "use_mld", "use_cr",
         "use_adaptive_threshold", "prediction_batch_size", "positive_tag_cap", "positive_tag_scale",
         "assumed_negative_weight", "warmup_end", "min_warmup_rounds", "cr_in_warmup", "la_prior", "tag_check_samples"})
+    RECIPE_NAMES = {"use_wpc": "logit_adjustment"}
+    # every train row is a sample
+    WEIGHT_BY = "all_rows"
 
     task_kind = "classification"
 
@@ -705,6 +681,9 @@ class FedMLPClient(ClientRule):
         if int(tag_check_samples) < 1:
             raise ValueError(f"FedMLP tag_check_samples must be >= 1, got {tag_check_samples}")
         self.tag_check_samples = int(tag_check_samples)
+
+    def round_steps(self, data) -> int:
+        return self.local_epochs * epoch_steps(len(data.splits["train"]), self.batch_size, drop_last=True)
 
     # -- set-up and persistent state -------------------------------------------------------------
     def setup(self, ctx) -> None:

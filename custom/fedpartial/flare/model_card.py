@@ -28,48 +28,48 @@ FORMAT = "fedpartial-model-card/1"
 EXECUTOR_PATH = "fedpartial.flare.executors.FedPartialExecutor"
 AGGREGATOR_PATH = "fedpartial.flare.aggregators.RuleAggregator"
 
-#: Intended use and known limits of each registered method, from the measured results (README
-#: "Results" rows and the docs/RESULTS.md section named in ``source``).
+#: Intended use and known limits of each registered method. The limits say what kind of limit was
+#: measured and name where (``source``: the README "Results" rows and the docs/RESULTS.md section);
+#: the numbers stay in those committed rows, never here, so a re-measurement cannot leave the card behind.
 METHOD_NOTES: Dict[str, Dict[str, str]] = {
     "fedavg": {
         "intended_use": "Baseline: FedAvg on the labels each site holds; the reference a partial-label method "
-                        "must beat on the same model and recipe (--matched-to).",
-        "known_limits": "It does not learn a class from the sites that do not annotate it: in every README suite "
-                        "it ends below FedAvg on full labels (HAM10000 AUC 0.842 vs 0.938).",
-        "source": "README.md#results (rows fedlsm-ham ... fedirm-ham-1l, column FedAvg (partial))"},
+                        "must beat on the same model, recipe, steps and site weights (--matched-to).",
+        "known_limits": "It does not learn a class from the sites that do not annotate it: in the README suites it "
+                        "ends below FedAvg on full labels. Measured values: see source.",
+        "source": "README.md#results (column FedAvg (partial))"},
     "fedavg_seg": {
         "intended_use": "Segmentation baseline: FedAvg on the (incomplete) masks each site holds; the reference "
                         "for FedIA.",
-        "known_limits": "Missed lesions are learnt as background (DSB2018 Dice 0.627 vs 0.669 with complete "
-                        "masks); on real MS lesions no job learns a held-out patient (pooled Dice 0.029 / 0.002).",
-        "source": "README.md#results (rows fedia-dsb-m2, ms-p7 / ms-p19); docs/SMALL_LESIONS.md"},
+        "known_limits": "Missed lesions are learnt as background (below FedAvg on complete masks on DSB2018); on "
+                        "real MS lesions no job learned a held-out patient. Measured values: see source.",
+        "source": "README.md#results (rows fedia-dsb-*, ms-p7 / ms-p19); docs/SMALL_LESIONS.md"},
     "fedlsm": {
         "intended_use": "Single- or multi-label classification where each site annotates a different subset of "
                         "the classes (label-set mismatch).",
-        "known_limits": "On HAM10000 it closed 74 % of the FedAvg-to-full-label AUC gap, but on NIH ChestX-ray14 "
-                        "it is below FedAvg on every seed (AUC 0.493 vs 0.558): compare with the matched FedAvg "
-                        "baseline on your data before relying on it.",
+        "known_limits": "Whether it beats FedAvg depends on the data: measured on HAM10000 and NIH ChestX-ray14 "
+                        "with different outcomes. Compare it with FedAvg matched to it in recipe, steps and site "
+                        "weights (--matched-to) on your data before relying on it. Measured values: see source.",
         "source": "README.md#results (rows fedlsm-ham, fedlsm-nih); docs/RESULTS.md#reading-the-results"},
     "fedmlp": {
         "intended_use": "Multi-label classification where each site lacks the labels of some classes.",
-        "known_limits": "Above FedAvg only where its premise holds (synthetic shapes: AUC 0.842 vs 0.711); on "
-                        "CT-ICH the difference is noise (0.710 vs 0.741, std 0.09) and on ChestX-ray14 it is below "
-                        "FedAvg on every seed (0.569 vs 0.635).",
+        "known_limits": "Above FedAvg only where its premise holds (frequent positives that other sites train as "
+                        "negatives, synthetic shapes); on CT-ICH and ChestX-ray14 not above FedAvg. Measured "
+                        "values: see source.",
         "source": "README.md#results (rows fedmlp-ctich, fedmlp-nih, fedmlp-premise); "
                   "docs/RESULTS.md#fedmlp-where-its-premise-holds-fedmlp-against-the-baselines"},
     "fedirm": {
         "intended_use": "Semi-supervised federations: a few labelled sites, the others unlabelled.",
-        "known_limits": "On HAM10000 with 2 labelled of 10 sites AUC 0.921 vs FedAvg's 0.902, but its recipe on "
-                        "the labelled sites alone reaches the same 0.921; with 1 labelled site the gain is within "
-                        "the seeds' spread (0.896 vs 0.892).",
+        "known_limits": "On HAM10000, FedAvg with FedIRM's recipe on the labelled sites reached what FedIRM did: "
+                        "the unlabelled sites added nothing measurable. Measured values: see source.",
         "source": "README.md#results (rows fedirm-ham, fedirm-ham-1l); "
                   "docs/RESULTS.md#fedirm-where-the-labelled-sites-cannot-learn-alone"},
     "fedia": {
         "intended_use": "Segmentation where sites leave whole lesions unannotated (incomplete masks).",
-        "known_limits": "On DSB2018 nuclei it closed 48-64 % of the Dice gap; on real MS FLAIR lesions it is level "
-                        "with FedAvg on held-out slices of the training patient and, like every job, does not learn "
-                        "an unseen patient (pooled Dice 0.034 vs FedAvg's 0.029).",
-        "source": "README.md#results (rows fedia-dsb-m2 / m3, ms-p7 / ms-p19); "
+        "known_limits": "On DSB2018 nuclei it helps where much of the annotation is missing and not where masks "
+                        "are nearly complete; on real MS FLAIR lesions it is level with FedAvg and, like every "
+                        "job, does not learn an unseen patient. Measured values: see source.",
+        "source": "README.md#results (rows fedia-dsb-m0 ... m3, ms-p7 / ms-p19); "
                   "docs/RESULTS.md#real-ms-lesions-leave-one-patient-out"},
 }
 WITHHELD = "withheld"

@@ -279,6 +279,22 @@ def batch_indices(n: int, batch_size: int, rng: np.random.Generator, shuffle: bo
         yield idx
 
 
+def epoch_steps(n: int, batch_size: int, drop_last: bool = True) -> int:
+    """How many batches :func:`batch_indices` yields for one epoch of ``n`` samples (0 when ``n`` is 0).
+
+    Args:
+        n: number of samples.
+        batch_size: samples per batch.
+        drop_last: as in :func:`batch_indices` (a lone smaller batch is kept).
+    """
+    n, batch_size = int(n), int(batch_size)
+    if n <= 0:
+        return 0
+    if drop_last and n >= batch_size:
+        return n // batch_size
+    return -(-n // batch_size)
+
+
 def iteration_batches(n: int, batch_size: int, iterations: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
     """Yield exactly ``iterations`` shuffled batches, re-shuffling at each epoch boundary
     (used by methods that count local iterations rather than epochs)."""

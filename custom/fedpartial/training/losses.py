@@ -1,10 +1,14 @@
 """Losses shared by the methods, each as a function and as a ``torch.nn.Module`` (as MONAI's
 losses are): the masked binary cross-entropy of partial multi-label annotations and the
-softmax cross-entropy restricted to a site's annotated classes (the partial-class loss).
+softmax cross-entropy restricted to a site's annotated classes (the partial-class loss); and the
+multi-label imbalance handling that methods and baselines share: class-weighted BCE from annotated
+counts (FedLSM) and logit adjustment by positive rates (FedMLP).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +77,58 @@ def masked_cross_entropy(logits: torch.Tensor, target_index: torch.Tensor, class
         return loss.mean()
     loss = torch.where(sample_weight > 0, loss, torch.zeros_like(loss))
     return (loss * sample_weight).sum() / sample_weight.sum().clamp_min(1e-8)
+
+
+# ---- multi-label imbalance handling (class weights, logit adjustment) ----------------------------
+def class_statistics(labels: np.ndarray, label_mask: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Annotated positive and negative counts per class (``label_pos``, ``label_neg``)."""
+    annotated = label_mask > 0.5
+    positive = labels > 0.5
+    return (annotated & positive).sum(axis=0).astype(np.float64), (annotated & ~positive).sum(axis=0).astype(np.float64)
+
+
+def pos_weight_from_counts(label_pos, label_neg, max_pos_weight: Optional[float] = None) -> np.ndarray:
+    """BCE positive weight #neg / #pos per class; 1 where a class has no annotated positive.
+
+    Args:
+        label_pos: ``(C,)`` annotated positives.
+        label_neg: ``(C,)`` annotated negatives.
+        max_pos_weight: optional cap (None = no cap, the paper's setting).
+    """
+    pos = np.asarray(label_pos, dtype=np.float64)
+    neg = np.asarray(label_neg, dtype=np.float64)
+    weight = np.where(pos > 0, neg / np.where(pos > 0, pos, 1.0), 1.0)
+    weight = np.where(weight > 0, weight, 1.0)  # a class with no negative: no re-weighting
+    return np.minimum(weight, max_pos_weight) if max_pos_weight else weight
+
+
+def positive_rates(targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-class positive rate pi_c,1 among the entries where ``mask`` is 1 (0.5 = no
+    adjustment for a class without any such entry).
+
+    Args:
+        targets: ``(N, C)`` 0/1.
+        mask: ``(N, C)`` 0/1, the entries the loss uses (annotated + tagged).
+    """
+    mask = mask.float()
+    count = mask.sum(0)
+    pos = (targets.float() * mask).sum(0)
+    return torch.where(count > 0, pos / count.clamp_min(1.0), torch.full_like(count, 0.5))
+
+
+def logit_adjustment(pi_pos: torch.Tensor, tau: float = 1.0, eps: float = 1e-3) -> torch.Tensor:
+    """Additive logit offset of the multi-label logit adjustment (paper Eq. 3).
+
+    Eq. 3, p' = p*pi1 / (p*pi1 + (1-p)*pi0) with p = sigmoid(z), equals sigmoid(z + log(pi1/pi0));
+    we use the logit form (numerically stable) and, as Eq. 2, a temperature ``tau`` (1 = Eq. 3).
+
+    Args:
+        pi_pos: ``(C,)`` positive rates pi_c,1 (pi_c,0 = 1 - pi_c,1).
+        tau: strength of the adjustment (paper: 1).
+        eps: rates are clipped to ``[eps, 1-eps]`` so a class with no local positive stays finite.
+    """
+    pi = pi_pos.clamp(eps, 1.0 - eps)
+    return tau * (torch.log(pi) - torch.log1p(-pi))
 
 
 class MaskedBCEWithLogitsLoss(torch.nn.Module):

@@ -12,10 +12,11 @@ rounds, evaluates the final global model on the source file's test split, and wr
 ``results.csv``, ``results.md`` (mean ± std and the share of the lower→upper gap closed) and
 PNG plots (per-round validation curves, per-class AUC bars, Dice per completeness setting).
 
-To choose a setting without the test split, ``--select-on val`` scores every job's final model on
-the source's val split only and writes ``selection.csv`` / ``selection.md`` (the jobs ranked by
-the suite's first metric); ``--reuse`` then scores the chosen job's saved model on the test split,
-training nothing again.
+To choose a setting without the test split, ``--select-on val`` ranks every job's final model on
+what the sites can compute (each site's own val split with its own labels, as the server received it
+in cross-site evaluation) and ``--select-on val-complete`` on the source's curated val split with
+complete labels; both write ``selection.csv`` / ``selection.md``, each row marked with its val split;
+``--reuse`` then scores the chosen job's saved model on the test split, training nothing again.
 
 Reports read back from the run folder (also ``python -m fedpartial_tools bench-report``): pseudo-label
 quality per round of the method job (``--diagnostics``), prediction overlays of the segmentation
@@ -32,13 +33,14 @@ from fedpartial_tools.bench.overlays import write_overlays
 from fedpartial_tools.bench.plots import plot_results
 from fedpartial_tools.bench.pseudo_labels import seed_dirs, write_pseudo_label_report
 from fedpartial_tools.bench.readme import README_BEGIN, README_END, copy_outputs, update_readme
-from fedpartial_tools.bench.runner import plan_suite, run_trainings, split_source
+from fedpartial_tools.bench.runner import plan_suite, run_trainings
+from fedpartial_tools.bench.sources import split_source
 from fedpartial_tools.bench.suites import DEFAULT_DATA, REPO, SUITE_GROUPS, SUITES, is_segmentation, suite_names
 from fedpartial_tools.bench.tables import SELECTION_CSV, markdown_table, read_rows, write_reports, write_selection
 
 
 def _cmd_bench(args):
-    selecting = args.select_on == "val"
+    selecting = args.select_on is not None
     csv_path = os.path.join(args.out, SELECTION_CSV if selecting else "results.csv")
     keep_old = args.append or selecting
     names = suite_names(args.suite or [], args.suite_group or [])
@@ -143,9 +145,12 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--out", required=True)
     s.add_argument("--append", action="store_true", help="keep rows already in OUT/results.csv (a re-run job and seed replaces its row)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra setting for every job")
-    s.add_argument("--select-on", choices=["val"], default=None,
-                   help="choose a setting: score the final models on the source's val split only (never test) and "
-                        f"rank the jobs in OUT/{SELECTION_CSV} and OUT/selection.md; results.csv is not touched")
+    s.add_argument("--select-on", choices=["val", "val-complete"], default=None,
+                   help="choose a setting without the test split: rank the jobs in OUT/selection.csv and "
+                        "OUT/selection.md (results.csv is not touched) on 'val': what the sites can compute, each "
+                        "site's own val split with its own labels as the server received it in cross-site "
+                        "evaluation (pooled over sites), or 'val-complete': the source's curated val split with "
+                        "complete labels, which no site holds (marked in every row)")
     s.add_argument("--reuse", action="store_true",
                    help="score a job's saved model again where the bench trained it with the same settings "
                         "(after --select-on val: the chosen job's test score without training it again)")

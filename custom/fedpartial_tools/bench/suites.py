@@ -39,6 +39,10 @@ class Suite:
     method_overrides: Dict[str, List[str]] = field(default_factory=dict)
     # Ablations: label -> extra --set items of the method job, run and reported as a job of their own.
     variants: Dict[str, List[str]] = field(default_factory=dict)
+    # label -> a baseline job run matched to the method in compute and weighting too: the method's
+    # optimizer steps per round at every site (batches from the baseline's labelled rows) and its
+    # site weights (jobs.matching.compute_of). The other baselines keep their own epochs.
+    compute_matched: Dict[str, str] = field(default_factory=dict)
     # profile -> another file of the same data (e.g. the GPU profile's larger images)
     datasets: Dict[str, str] = field(default_factory=dict)
     # a function of fedpartial_tools.data.synthetic that makes ``dataset`` (seed 0) when the data folder
@@ -73,7 +77,7 @@ class Suite:
 
     @property
     def jobs(self) -> List[str]:
-        return [self.lower, *self.others, self.upper, self.method, *self.variants]
+        return [self.lower, *self.compute_matched, *self.others, self.upper, self.method, *self.variants]
 
     def agreement_sets(self) -> List[str]:
         """``--set`` items giving every job the suite's input agreement, on the server (which
@@ -91,7 +95,7 @@ class Suite:
     def job_folder(self, job: str) -> str:
         """The job that runs row ``job``: a name of ``jobs/`` or ``RECIPE:PROFILE`` (a variant runs
         the method's)."""
-        job = self.method if job in self.variants else job
+        job = self.method if job in self.variants else self.compute_matched.get(job, job)
         return PROFILE_ROWS.get(job, job)
 
 
@@ -139,13 +143,17 @@ _FEDIRM_METRICS = ["auc", "accuracy", "f1", "bacc", "auc_best", "f1_best"]
 _FEDIRM_GPU = ["model.arch=densenet121", "model.arch_args={\"dropout\":0.2}", "num_rounds=100"]
 # positive tags only where the annotating sites' check tags are >= 70 % precise (ours, off in the paper)
 _FEDMLP_GATE = {"fedmlp_tag_gate": ["rule_args.positive_tag_gate=0.7"]}
+# FedMLP without its logit adjustment (imbalance handling the matched baselines take too): what the
+# rest of the method adds
+_FEDMLP_NO_LA = {"fedmlp_no_wpc": ["rule_args.use_wpc=false"]}
 # FedMLP's Table 3: each part taken away in turn (missing-label detection, the warm-up's partial-class
 # loss, consistency with the global model); the paper's order is that each adds
-_FEDMLP_TABLE3 = {"fedmlp_no_mld": ["rule_args.use_mld=false"], "fedmlp_no_wpc": ["rule_args.use_wpc=false"],
-                  "fedmlp_no_cr": ["rule_args.use_cr=false"]}
+_FEDMLP_TABLE3 = {"fedmlp_no_mld": ["rule_args.use_mld=false"], **_FEDMLP_NO_LA, "fedmlp_no_cr": ["rule_args.use_cr=false"]}
+# FedAvg with the method's steps per round and site weights, beside FedAvg with its own epochs
+_COMPUTE = {"fedavg_compute": "fedavg"}
 SUITES: Dict[str, Suite] = {
     "fedlsm-ham": Suite("ham10000_28.npz", "label-set-mismatch", {"classes_per_site": 3}, 5, "fedlsm", "fedavg",
-                        "fedavg_full", ["fedavg_partial_loss"],
+                        "fedavg_full", ["fedavg_partial_loss"], compute_matched=_COMPUTE,
                         overrides={"cpu": _CPU_CLS + ["num_rounds=50"],
                                    "gpu": ["model.arch=densenet121", "model.arch_args={}", "num_rounds=50"]},
                         # tau80: thresholds picked by validation AUC (seed 0: 0.95 / 0.9 / 0.8) for the
@@ -158,7 +166,7 @@ SUITES: Dict[str, Suite] = {
                         metrics=["auc", "f1", "accuracy", "bacc", "map", "auc_shift", "f1_shift"],
                         shifted_test="acquisition_shift"),
     "fedlsm-nih": Suite("nih_chestxray14_64.npz", "label-set-mismatch", {"classes_per_site": 3}, 8,
-                        "fedlsm_multilabel", "fedavg", "fedavg_full", ["fedavg_partial_loss"],
+                        "fedlsm_multilabel", "fedavg", "fedavg_full", ["fedavg_partial_loss"], compute_matched=_COMPUTE,
                         metrics=["auc", "map", "f1", "bacc"],
                         # the class-weighted BCE uses the server's class counts (FedLSM's statistics);
                         # without it, what FedLSM adds beyond a weighting FedAvg does not have
@@ -166,7 +174,8 @@ SUITES: Dict[str, Suite] = {
                         overrides={"cpu": _CPU_CLS + ["num_rounds=20"], "gpu": ["model.arch=densenet121",
                                                                                "model.arch_args={}", "num_rounds=50"]}),
     "fedmlp-ctich": Suite("ct_ich_128.npz", "label-set-mismatch", {"classes_per_site": 1}, 5, "fedmlp_ctich",
-                          "fedavg", "fedavg_full", ["fedavg_partial_loss"], metrics=["auc", "map", "bacc", "f1"],
+                          "fedavg", "fedavg_full", ["fedavg_partial_loss"], compute_matched=_COMPUTE,
+                          metrics=["auc", "map", "bacc", "f1"],
                           # positive tags capped by the class's prevalence at the annotating sites
                           variants={"fedmlp_prevalence_cap": ["rule_args.positive_tag_cap=prevalence"],
                                     # FedLSM's class-wise row averaging (over the annotating sites) for
@@ -175,12 +184,14 @@ SUITES: Dict[str, Suite] = {
                                     # untagged missing entries count as negatives (weight 1),
                                     # as FedAvg counts them; right for 94-99 % of them at this prevalence
                                     "fedmlp_assumed_negative": ["rule_args.assumed_negative_weight=1.0"],
-                                    **_FEDMLP_GATE},
+                                    **_FEDMLP_NO_LA, **_FEDMLP_GATE},
                           overrides={"cpu": _CPU_CLS + ["num_rounds=30", "model.input_size=[64,64]"],
                                      "gpu": ["model.arch=resnet18", "model.arch_args={}", "num_rounds=100"]}),
     "fedmlp-nih": Suite("nih_chestxray14_64.npz", "missing-classes", {"missing_per_site": 7}, 8, "fedmlp",
-                        "fedavg", "fedavg_full", ["fedavg_partial_loss"], metrics=["auc", "map", "bacc", "f1"],
-                        variants={"fedmlp_prevalence_cap": ["rule_args.positive_tag_cap=prevalence"], **_FEDMLP_GATE},
+                        "fedavg", "fedavg_full", ["fedavg_partial_loss"], compute_matched=_COMPUTE,
+                        metrics=["auc", "map", "bacc", "f1"],
+                        variants={"fedmlp_prevalence_cap": ["rule_args.positive_tag_cap=prevalence"], **_FEDMLP_NO_LA,
+                                  **_FEDMLP_GATE},
                         overrides={"cpu": _CPU_CLS + ["num_rounds=30"],
                                    "gpu": ["model.arch=resnet18", "model.arch_args={}", "num_rounds=100"]}),
     # FedMLP's premise: a site that does not annotate class c trains on c's positives as negatives,
@@ -189,26 +200,27 @@ SUITES: Dict[str, Suite] = {
     # fixed (synthetic.make_premise_multilabel, written before FedMLP ran on it); when the
     # baselines' gap is too small the setting gets harder (epochs, rounds), never the data easier.
     "fedmlp-premise": Suite("premise_multilabel_32.npz", "label-set-mismatch", {"classes_per_site": 1}, 5, "fedmlp",
-                            "fedavg", "fedavg_full", ["fedavg_partial_loss"], metrics=["auc", "map", "bacc", "f1"],
+                            "fedavg", "fedavg_full", ["fedavg_partial_loss"], compute_matched=_COMPUTE,
+                            metrics=["auc", "map", "bacc", "f1"],
                             generator="make_premise_multilabel",
                             variants={**_FEDMLP_FIDELITY, **_FEDMLP_TABLE3, **_FEDMLP_GATE},
                             cpu_departures=_PREMISE_DEPARTURES,
                             overrides={"cpu": _CPU_CLS + _PREMISE_CPU}),
     # control: prevalence x 0.1 (CT-ICH's 1.5-4.5 %); the mechanism predicts a smaller margin
     "fedmlp-premise-rare": Suite("premise_multilabel_rare_32.npz", "label-set-mismatch", {"classes_per_site": 1}, 5,
-                                 "fedmlp", "fedavg", "fedavg_full", ["fedavg_partial_loss"],
+                                 "fedmlp", "fedavg", "fedavg_full", ["fedavg_partial_loss"], compute_matched=_COMPUTE,
                                  metrics=["auc", "map", "bacc", "f1"], generator="make_premise_multilabel_rare",
                                  variants={**_FEDMLP_FIDELITY, **_FEDMLP_GATE},
                                  overrides={"cpu": _CPU_CLS + _PREMISE_CPU},
                                  cpu_departures=_PREMISE_DEPARTURES),
     # control: one local epoch per round (less memorising); the mechanism predicts a smaller margin
     "fedmlp-premise-e1": Suite("premise_multilabel_32.npz", "label-set-mismatch", {"classes_per_site": 1}, 5,
-                               "fedmlp", "fedavg", "fedavg_full", ["fedavg_partial_loss"],
+                               "fedmlp", "fedavg", "fedavg_full", ["fedavg_partial_loss"], compute_matched=_COMPUTE,
                                metrics=["auc", "map", "bacc", "f1"], generator="make_premise_multilabel",
                                variants=_FEDMLP_FIDELITY,
                                overrides={"cpu": _CPU_CLS + _PREMISE_CPU[:-1] + ["rule_args.local_epochs=1"]}),
     "fedirm-ham": Suite("ham10000_28.npz", "semi-supervised", {"labelled_sites": 2}, 10, "fedirm", "fedavg",
-                        "fedavg_full", metrics=_FEDIRM_METRICS,
+                        "fedavg_full", metrics=_FEDIRM_METRICS, compute_matched=_COMPUTE,
                         overrides={"cpu": _CPU_CLS + ["num_rounds=30"], "gpu": _FEDIRM_GPU},
                         # the method's own recipe on the labelled sites alone: the like-for-like lower bound
                         variants={"fedirm_labelled_only": ["rule_args.unlabelled_start_round=1000000"],
@@ -221,7 +233,7 @@ SUITES: Dict[str, Suite] = {
     # FedIRM's premise: labelled sites too few to learn alone. One labelled site of ten (10 % of the
     # images); the baselines are run first and fedirm_labelled_only must sit clearly below fedavg_full.
     "fedirm-ham-1l": Suite("ham10000_28.npz", "semi-supervised", {"labelled_sites": 1}, 10, "fedirm", "fedavg",
-                           "fedavg_full", metrics=_FEDIRM_METRICS,
+                           "fedavg_full", metrics=_FEDIRM_METRICS, compute_matched=_COMPUTE,
                            overrides={"cpu": _CPU_CLS + ["num_rounds=30"], "gpu": _FEDIRM_GPU},
                            variants={"fedirm_labelled_only": ["rule_args.unlabelled_start_round=1000000"],
                                      "fedirm_paper": ["rule_args.reliable_fraction=0.0",
@@ -244,7 +256,9 @@ for _m in range(4):
     SUITES[f"fedia-dsb-m{_m}"] = Suite(
         "dsb2018_nuclei_256.npz", "incomplete-masks",
         {"completeness": [(20 * k - 10 * _m + 40) / 100 for k in range(4)]}, 4, "fedia", "fedavg_seg",
-        "fedavg_seg_full", metrics=["dice", "iou"],
+        # "_native": each image at the file's 256 px (the model's 64 px probabilities upsampled); the
+        # file keeps no image at its original size, so 256 px is the finest there is
+        "fedavg_seg_full", metrics=["dice_native", "iou_native", "dice", "iou"],
         # like with like: fedia switches to plain FedAvg once every site has corrected, which a
         # run without correction never reaches; fedia_keep_weighting is fedia with completeness
         # weighting to the end, the row fedia_no_correction compares with
@@ -377,13 +391,14 @@ def profile_departures(suite: "Suite", profile: str = "cpu") -> List[str]:
 
 def matched_sets(suite: "Suite", job: str, sets: Sequence[str] = ()) -> List[str]:
     """``--set`` items giving a baseline ``job`` of ``suite`` its method's model, local recipe and
-    rounds (:func:`fedpartial_tools.jobs.matching.matched_sets`), after the common ``sets``; ``[]`` for
+    rounds, and for a row of ``compute_matched`` its steps and site weights too
+    (:func:`fedpartial_tools.jobs.matching.matched_sets`), after the common ``sets``; ``[]`` for
     the method and its variants. FedIRM's like-for-like lower bound is its own job with the
     unlabelled sites never joining (the ``fedirm_labelled_only`` row)."""
     if suite.job_folder(job) == suite.job_folder(suite.method):
         return []
     return matching.matched_sets(folders.find_job(suite.job_folder(suite.method)),
-                                 folders.find_job(suite.job_folder(job)), sets)
+                                 folders.find_job(suite.job_folder(job)), sets, compute=job in suite.compute_matched)
 
 
 # Small sparse lesions: MS-like slices made by fedpartial_tools.data.synthetic (128 px native,

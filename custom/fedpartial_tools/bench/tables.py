@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from fedpartial_tools.bench.plots import plot_results
+from fedpartial_tools.bench.selection import selection_key
 from fedpartial_tools.bench.suites import GROUP_METRICS, SUITE_GROUPS, SUITES, suites_of
 
 
@@ -236,19 +237,33 @@ def group_table(group: str, rows: List[dict], key: str) -> str:
 SELECTION_CSV = "selection.csv"
 
 
+#: how each kind of selection row was scored (the ``val split`` column of selection.md)
+SELECTION_SPLITS = {"val": "sites' own val, their labels (as the server receives it)",
+                    "val-complete": "curated complete val (no site holds it)"}
+
+
 def selection_table(name: str, rows: List[dict]) -> str:
-    """Markdown ranking of suite ``name``'s method and its variants by the suite's first metric on
-    the source's val split (mean over seeds, best first), the baselines below for reference.
+    """Markdown ranking of suite ``name``'s method and its variants by the metric the selection
+    ranks on (mean over seeds, best first), the baselines below for reference; one table per kind
+    of val split present (``scored_on``: ``val`` = the sites' own val splits with their own labels,
+    ``val-complete`` = the curated complete val split), each row marked with it.
 
     Args:
         name: the suite.
-        rows: ``selection.csv`` rows (``scored_on`` = ``val``).
+        rows: ``selection.csv`` rows.
     """
     suite = SUITES[name]
-    key = suite.metrics[0]
     sub = [r for r in rows if r["suite"] == name]
     if not sub:
         return ""
+    kinds = list(dict.fromkeys(str(r.get("scored_on") or "val-complete") for r in sub))
+    return "\n".join(_selection_table(name, [r for r in sub if str(r.get("scored_on") or "val-complete") == kind],
+                                      kind) for kind in kinds)
+
+
+def _selection_table(name: str, sub: List[dict], kind: str) -> str:
+    suite = SUITES[name]
+    key = selection_key(name, kind)
     candidates = [suite.method, *suite.variants]
     ranked = []
     for job in dict.fromkeys(r["method"] for r in sub):
@@ -257,21 +272,23 @@ def selection_table(name: str, rows: List[dict]) -> str:
         ranked.append((job in candidates, mean, std, job, per_seed))
     ranked.sort(key=lambda t: (not t[0], -(t[1] if np.isfinite(t[1]) else -np.inf)))
     seeds = sorted({int(r["seed"]) for r in sub})
-    lines = [f"\n**{name}**: {key} on the source's **val** split (the test split was not read), seeds {seeds}; "
+    where = SELECTION_SPLITS.get(kind, kind)
+    lines = [f"\n**{name}**: {key} on the {where} (the test split was not read), seeds {seeds}; "
              f"the method's settings ranked first, best first, then the baselines\n",
-             "| rank | job | settings | " + key + " (mean ± sample std) | per seed |", "|---|---|---|---|---|"]
+             "| rank | job | settings | val split | " + key + " (mean ± sample std) | per seed |",
+             "|---|---|---|---|---|---|"]
     rank = 0
     for is_candidate, mean, std, job, per_seed in ranked:
         rank += is_candidate
         settings = " ".join(suite.variants.get(job, [])) or ("as shipped" if job == suite.method else "baseline")
         value = f"{mean:.4f} ± {std:.4f}" if np.isfinite(std) else (f"{mean:.4f}" if np.isfinite(mean) else "–")
-        lines.append(f"| {rank if is_candidate else ''} | {job} | {settings} | {value} | "
+        lines.append(f"| {rank if is_candidate else ''} | {job} | {settings} | {kind} | {value} | "
                      + " / ".join(f"{v:.4f}" for _, v in sorted(per_seed.items())) + " |")
     chosen = next((t[3] for t in ranked if t[0] and np.isfinite(t[1])), None)
     if chosen:
-        lines += ["", f"Chosen: **{chosen}**. Its test score, read once: `python -m fedpartial_tools bench --suite "
-                      f"{name} --seeds {','.join(map(str, seeds))} --jobs {suite.lower},{suite.upper},{chosen} --reuse "
-                      f"--out OUT --append`"]
+        lines += ["", f"Chosen on {kind}: **{chosen}**. Its test score, read once: `python -m fedpartial_tools bench "
+                      f"--suite {name} --seeds {','.join(map(str, seeds))} --jobs {suite.lower},{suite.upper},{chosen} "
+                      f"--reuse --out OUT --append`"]
     return "\n".join(lines)
 
 

@@ -308,7 +308,7 @@ def hold_out_patient(combined: str, patient: int, out: str, val_fraction: float 
     least 1 when ``val_fraction`` > 0), drawn with ``numpy.random.default_rng([val_seed, patient
     id])``, so a patient's val slices are the same whichever patient is held out and whatever the
     bench seed. Train and val carry no patient ids (``split`` then shares them out slice by slice,
-    as :func:`fedpartial_tools.bench.runner.leave_patient_out` does); every split has row ids
+    as :func:`fedpartial_tools.bench.sources.leave_patient_out` does); every split has row ids
     (``{split}_image_ids`` = patient id * :data:`ROW_ID_BASE` + slice id); train and val keep
     ``*_masks_rater2`` / ``*_has_rater2``; the test split keeps ``test_patient_ids`` and is in
     slice-id order. ``info_json`` records the agreement, the val rule and the test patient's native

@@ -238,19 +238,22 @@ class FedPartialRecipe(Recipe):
             f.write(json.dumps(meta, indent=2) + "\n")
 
     @classmethod
-    def matched_to(cls, method: "FedPartialRecipe", **kwargs) -> "FedPartialRecipe":
+    def matched_to(cls, method: "FedPartialRecipe", compute: bool = True, **kwargs) -> "FedPartialRecipe":
         """This baseline with ``method``'s model (:data:`~fedpartial_tools.jobs.matching.SHARED_MODEL_KEYS`),
         whole local recipe (every client setting that is not the method's ``CONTRIBUTION``) and
-        rounds: a comparison of rules, not of networks, augmentations or schedules.
+        rounds, and with ``compute`` its optimizer steps per round and site weights
+        (:func:`~fedpartial_tools.jobs.matching.compute_of`): a comparison of rules, not of networks,
+        augmentations, schedules, compute or weighting.
 
         Args:
             method: the method's recipe.
+            compute: match steps and weights too (False: the baseline's own epochs and weights).
             kwargs: further constructor arguments of this baseline (``profile``, ``data_root`` ...).
         """
         mine = cls.profile_settings(**kwargs)
         effective = {"rule": method.CLIENT_RULE, "model": method.settings["model"],
                      "rule_args": {**rule_defaults("client", method.CLIENT_RULE), **method.settings["rule_args"]}}
-        model, rule = taken_from_method(effective, cls.CLIENT_RULE, rule_defaults("client", cls.CLIENT_RULE))
+        model, rule = taken_from_method(effective, cls.CLIENT_RULE, rule_defaults("client", cls.CLIENT_RULE), compute)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("model", "rule_args", "num_rounds")}
         return cls(model={**mine["model"], **model}, rule_args={**mine["rule_args"], **rule},
                    num_rounds=method.settings["num_rounds"], **kwargs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import shutil
 from typing import Dict, List, Optional
@@ -56,14 +57,17 @@ def collect_results(sim_ws: str, workspace: str, rc: int, seconds: float, log=pr
 SERVER_MODEL_FILES = {"best_global_model": "best_global_model.pt", "global_model": "global_model.pt"}
 
 
-def server_model_validation(cross_site: dict) -> Dict[str, dict]:
+def server_model_validation(cross_site: dict, sizes: Optional[Dict[str, float]] = None) -> Dict[str, dict]:
     """What the server's models scored on the sites' val splits in cross-site evaluation:
     ``{file name: pooled}`` for segmentation (:func:`fedpartial.metrics.pooled_validation`: Dice
     over every site's val pixels, what ``evaluate --split val`` of the model on the site folder
-    prints), ``{file name: {metric: mean over sites}}`` otherwise.
+    prints), ``{file name: {metric: mean over sites}}`` otherwise (over the sites that sent the
+    metric: an unlabelled site's val split has no score).
 
     Args:
         cross_site: ``cross_site_val.json``: ``{site: {model name: metrics}}``.
+        sizes: classification: ``{site: val images}`` to weight each site's score by (None: equal
+            weights); a site without a size weighs 0. A metric no site defines is NaN.
     """
     from fedpartial.metrics.segmentation import pooled_validation
 
@@ -80,9 +84,15 @@ def server_model_validation(cross_site: dict) -> Dict[str, dict]:
             continue
         pooled = pooled_validation(per_site)
         if pooled is None:
-            keys = [k for k, v in next(iter(per_site.values())).items() if isinstance(v, (int, float))]
-            pooled = {k: sum(float(m[k]) for m in per_site.values() if isinstance(m.get(k), (int, float)))
-                      / len(per_site) for k in keys}
+            keys = dict.fromkeys(k for m in per_site.values() for k, v in m.items() if isinstance(v, (int, float)))
+            pooled = {}
+            for k in keys:
+                # a site whose score is undefined (NaN: no positive of a class) says nothing
+                scored = {site: float(m[k]) for site, m in per_site.items()
+                          if isinstance(m.get(k), (int, float)) and math.isfinite(m[k])}
+                weight = {site: 1.0 if sizes is None else float(sizes.get(site, 0.0)) for site in scored}
+                total = sum(weight.values())
+                pooled[k] = sum(weight[site] * v for site, v in scored.items()) / total if total else float("nan")
         out[file] = pooled
     return out
 
