@@ -287,3 +287,40 @@ def test_status_and_clean_of_the_server_cover_its_job_store(server, tmp_path, ca
     assert f"job store   {store}: 2 job(s)" in capsys.readouterr().out
     gone = site_kit.clean(str(server), older_than_days=30)
     assert [j["path"] for j in gone] == [str(done)] and not done.exists() and running.exists()
+
+
+def test_the_kits_log_config_lowers_the_two_known_flare_races_only(site, tmp_path):
+    import logging
+    import logging.config
+
+    from fedpartial.site.log_filter import LOGGERS
+
+    written = site_kit.write_log_config(str(site))
+    assert written == str(site / "local" / "log_config.json")
+    config = json.loads(Path(written).read_text())
+    default = json.loads((site / "local" / "log_config.json.default").read_text())
+    assert config["handlers"] == default["handlers"] and config["loggers"]["root"] == default["loggers"]["root"]
+    assert site_kit.write_log_config(str(site)) is None  # a kit's own file is kept
+    # FLARE's error file as the kit writes it: what reaches it at ERROR
+    errors = tmp_path / "error_log.txt"
+    config["handlers"] = {"errors": {"class": "logging.FileHandler", "level": "ERROR", "filename": str(errors)}}
+    config["loggers"]["root"] = {"level": "INFO", "handlers": ["errors"]}
+    config.pop("formatters", None)
+    logging.config.dictConfig(config)
+    try:
+        blob, receiver, cell = (logging.getLogger(n) for n in LOGGERS)
+        blob.error("blob_cb threw: 'NoneType' object has no attribute 'get_widget'\nTraceback (most recent call "
+                   "last):\n  File \".../nvflare/private/fed/server/server_commands.py\", line 306, in process")
+        receiver.error("Stream error: blob_cb threw AttributeError: 'NoneType' object has no attribute 'get_widget'")
+        cell.error("[ME=server O=server D=server.:847b6b4 CH=sm__STREAM TP=sm__DATA SCH=server_command "
+                   "STP=get_run_info SEQ=0] cannot send to 'server.dbb67c7a-fda9': target_unreachable")
+        assert errors.read_text() == ""
+        # the same loggers' other errors keep their level
+        blob.error("blob_cb threw: 'NoneType' object has no attribute 'get_widget'\n  File \"x/aggregator.py\"")
+        cell.error("[ME=server SCH=task STP=train] cannot send to 'site-1.job': target_unreachable")
+        receiver.error("Stream error: blob_cb threw ValueError: bad model")
+        assert len(errors.read_text().splitlines()) == 4
+    finally:
+        for name in LOGGERS:
+            logging.getLogger(name).filters.clear()
+        logging.getLogger().handlers.clear()

@@ -99,6 +99,27 @@ def server_job_store(kit: str) -> Optional[str]:
     return None
 
 
+def write_log_config(kit: str) -> Optional[str]:
+    """Write the kit's ``local/log_config.json`` from FLARE's ``log_config.json.default`` with the
+    filter that writes two known, harmless FLARE races as WARNING (:mod:`fedpartial.site.log_filter`).
+    A kit that has its own ``log_config.json`` keeps it. Returns the file written, or None."""
+    from fedpartial.site.log_filter import with_known_races
+
+    local = os.path.join(kit, "local")
+    out, default = os.path.join(local, "log_config.json"), os.path.join(local, "log_config.json.default")
+    if os.path.exists(out) or not os.path.isfile(default):
+        return None
+    with open(default) as f:
+        try:
+            config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"'{default}' is not JSON: {e}") from None
+    with open(out + ".tmp", "w") as f:
+        f.write(json.dumps(with_known_races(config), indent=4) + "\n")
+    os.replace(out + ".tmp", out)
+    return out
+
+
 def keep_server_storage_in(server_kit: str, root: str) -> str:
     """Point the server's job store and snapshot store (default ``/tmp/nvflare/...``, lost on a
     reboot) into ``root``: writes ``local/resources.json`` from itself or its ``.default``. Returns
@@ -117,7 +138,9 @@ def keep_server_storage_in(server_kit: str, root: str) -> str:
 
 def start(kit: str, storage: Optional[str] = None, foreground: bool = False, python: Optional[str] = None) -> int:
     """Start the kit's restart loop (FLARE's ``startup/sub_start.sh``), which restarts the FLARE
-    process if it dies.
+    process if it dies. Temporary files and torch's caches go to ``KIT/tmp`` (:func:`kit_env`); a kit
+    without ``local/log_config.json`` gets FLARE's default with two known races lowered to WARNING
+    (:func:`write_log_config`).
 
     Args:
         kit: the kit's folder.
@@ -145,6 +168,7 @@ def start(kit: str, storage: Optional[str] = None, foreground: bool = False, pyt
     for flag in ("shutdown.fl", "daemon_pid.fl"):
         if os.path.exists(os.path.join(kit, flag)):
             os.remove(os.path.join(kit, flag))
+    write_log_config(kit)
     env = kit_env(python, kit=kit)
     cmd = ["bash", os.path.join(kit, "startup", "sub_start.sh")]
     if foreground:  # systemd keeps the output in its journal
