@@ -293,7 +293,7 @@ def test_the_kits_log_config_lowers_the_two_known_flare_races_only(site, tmp_pat
     import logging
     import logging.config
 
-    from fedpartial.site.log_filter import LOGGERS
+    from fedpartial.site.log_filter import LOGGERS, NOTE
 
     written = site_kit.write_log_config(str(site))
     assert written == str(site / "local" / "log_config.json")
@@ -302,10 +302,12 @@ def test_the_kits_log_config_lowers_the_two_known_flare_races_only(site, tmp_pat
     assert config["handlers"] == default["handlers"] and config["loggers"]["root"] == default["loggers"]["root"]
     assert site_kit.write_log_config(str(site)) is None  # a kit's own file is kept
     # FLARE's error file as the kit writes it: what reaches it at ERROR
-    errors = tmp_path / "error_log.txt"
-    config["handlers"] = {"errors": {"class": "logging.FileHandler", "level": "ERROR", "filename": str(errors)}}
-    config["loggers"]["root"] = {"level": "INFO", "handlers": ["errors"]}
-    config.pop("formatters", None)
+    errors, everything = tmp_path / "error_log.txt", tmp_path / "log.txt"
+    config["handlers"] = {"errors": {"class": "logging.FileHandler", "level": "ERROR", "filename": str(errors)},
+                          "all": {"class": "logging.FileHandler", "level": "INFO", "filename": str(everything),
+                                  "formatter": "plain"}}
+    config["formatters"] = {"plain": {"format": "%(levelname)s %(message)s"}}
+    config["loggers"]["root"] = {"level": "INFO", "handlers": ["errors", "all"]}
     logging.config.dictConfig(config)
     try:
         blob, receiver, cell = (logging.getLogger(n) for n in LOGGERS)
@@ -315,6 +317,9 @@ def test_the_kits_log_config_lowers_the_two_known_flare_races_only(site, tmp_pat
         cell.error("[ME=server O=server D=server.:847b6b4 CH=sm__STREAM TP=sm__DATA SCH=server_command "
                    "STP=get_run_info SEQ=0] cannot send to 'server.dbb67c7a-fda9': target_unreachable")
         assert errors.read_text() == ""
+        lines = everything.read_text().splitlines()  # kept in log.txt as WARNING, the note on the first line
+        assert lines[0] == f"WARNING blob_cb threw: 'NoneType' object has no attribute 'get_widget'{NOTE}"
+        assert [line.split()[0] for line in lines if NOTE in line] == ["WARNING"] * 3
         # the same loggers' other errors keep their level
         blob.error("blob_cb threw: 'NoneType' object has no attribute 'get_widget'\n  File \"x/aggregator.py\"")
         cell.error("[ME=server SCH=task STP=train] cannot send to 'site-1.job': target_unreachable")

@@ -41,8 +41,9 @@ class KnownRaces(logging.Filter):
         pattern = KNOWN.get(record.name)
         if record.levelno == logging.ERROR and pattern is not None and pattern.search(record.getMessage()):
             record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
-            if not record.args:
-                record.msg = f"{record.msg}{NOTE}"
+            if not record.args and isinstance(record.msg, str):  # the note on the first line, before a traceback
+                first, newline, rest = record.msg.partition("\n")
+                record.msg = f"{first}{NOTE}{newline}{rest}"
         return True
 
 
