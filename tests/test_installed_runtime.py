@@ -238,3 +238,6 @@ def test_the_bundle_and_the_site_command_work_from_the_wheel_alone(system):
         if (kit / "startup" / "sub_start.sh").is_file():
             assert (kit / "tmp").is_dir(), kit
     assert not list(Path(system["env"]["TMPDIR"]).glob("torchinductor_*"))
+    # started in the background, each kit's output goes to its console.log through the rotating writer
+    assert (site / "console.log").stat().st_size > 0
+    assert any("fedpartial.site.console_log" in cmd for cmd in processes.live_workspace_processes(str(site)).values())

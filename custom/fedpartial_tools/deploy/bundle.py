@@ -52,7 +52,8 @@ def _tools_install(venv: str, runtime: str, tools: str, sudo: str) -> str:
 The tools venv runs `python -m fedpartial import | evaluate | predict | export` (also as the command
 `{venv}/bin/fedpartial`) and MONAI's bundle runner `python -m monai.bundle run` on an exported
 model; no checkout is needed. Its lock holds every package of the site lock, at the same versions,
-plus the DICOM / image / NIfTI readers and `fire` (MONAI's runner)."""
+plus the DICOM / image / NIfTI readers and `fire` (MONAI's runner); it takes torch's CPU build,
+enough to use a model (also on a GPU machine)."""
 
 
 def _use_text(venv: str) -> str:
