@@ -191,8 +191,8 @@ def test_preflight_names_what_fails(site, tmp_path, capsys):
     failed = sorted(name for name, r in rows.items() if not r["ok"])
     assert failed == ["allow-list", "certificates", "dataset 'study_a'", "logs stay here", "no code with jobs",
                       "privacy policy", "server"], failed
-    assert rows["server"]["detail"].startswith(f"cannot connect to the server localhost:{PORT} (startup/fed_client.json "
-                                               f"servers[0].service.target) within 5 s")
+    assert rows["server"]["detail"].startswith(f"cannot connect to the server localhost:{PORT} "
+                                               f"(startup/fed_client.json servers[0].service.target) within 5 s")
     assert "not the runtime's: ['fedpartial.']" in rows["allow-list"]["detail"]
     assert rows["no code with jobs"]["detail"] == "byoc for ['lead']"
     with pytest.raises(SystemExit) as code:
@@ -221,7 +221,8 @@ def test_offer_dataset_warns_when_the_sites_file_is_not_there_and_refuses_the_se
     full.mkdir()
     (full / "site-1.npz").write_bytes(b"")
     cli.main(["offer-dataset", str(site), "a", str(empty)])
-    assert f"warning: no site-1.npz or site-1/ in {empty}: a job naming 'a' fails at this site" in capsys.readouterr().err
+    warning = f"warning: no site-1.npz or site-1/ in {empty}: a job naming 'a' fails at this site"
+    assert warning in capsys.readouterr().err
     cli.main(["offer-dataset", str(site), "b", str(full)])
     assert "warning" not in capsys.readouterr().err
     with pytest.raises(SystemExit) as code:

@@ -63,8 +63,9 @@ def test_the_tools_wheel_ships_the_model_users_commands_only(wheels):
     # of the runtime package, only the command-line shim the runtime wheel leaves out (and does not hash)
     assert [n for n in names if n.startswith("fedpartial/")] == ["fedpartial/__main__.py"]
     info = zipfile.ZipFile(tools)
-    assert "fedpartial = fedpartial_tools.model_cli:main" in info.read("fedpartial_tools-0.1.0.dist-info/entry_points.txt").decode()
-    assert "Requires-Dist: fedpartial_runtime==0.1.0" in info.read("fedpartial_tools-0.1.0.dist-info/METADATA").decode()
+    dist_info = "fedpartial_tools-0.1.0.dist-info"
+    assert "fedpartial = fedpartial_tools.model_cli:main" in info.read(f"{dist_info}/entry_points.txt").decode()
+    assert "Requires-Dist: fedpartial_runtime==0.1.0" in info.read(f"{dist_info}/METADATA").decode()
     assert "fedpartial/__main__.py" not in zipfile.ZipFile(wheels["runtime"]).namelist()
     # checked like the runtime's: its .sha256 names the wheel and its lock; the same source, the same bytes
     assert provision.verify_runtime(str(tools)) == [str(tools), str(tools.parent / "requirements-tools.lock")]
@@ -94,7 +95,8 @@ def _model_and_data(root: Path):
     torch.manual_seed(0)
     model = build_model("small_cnn", 3, 1, width=4, depth=2).eval()
     save_model_file(str(root / "model.pt"), model, {"class_names": list(data.class_names), "task": "multi-label",
-                                                      "input_size": [16, 16], "normalisation": {"mean": 0.5, "std": 0.5}})
+                                                      "input_size": [16, 16],
+                                                      "normalisation": {"mean": 0.5, "std": 0.5}})
     (root / "png").mkdir()
     for i, image in enumerate(data.splits["test"].images[:5]):
         Image.fromarray(np.asarray(image).squeeze()).save(root / "png" / f"img{i}.png")
@@ -122,8 +124,8 @@ def test_the_model_users_commands_run_from_the_installed_wheels(wheels, tmp_path
         return res.stdout
 
     # the venv's own copies, not the checkout's
-    where = json.loads(run("-c", "import json, fedpartial, fedpartial_tools, fedpartial.flare.common as c; "
-                                 "print(json.dumps([fedpartial.__file__, fedpartial_tools.__file__, c.runtime_identity()]))"))
+    where = json.loads(run("-c", "import json, fedpartial, fedpartial_tools, fedpartial.flare.common as c; print("
+                                 "json.dumps([fedpartial.__file__, fedpartial_tools.__file__, c.runtime_identity()]))"))
     site_packages = str(next(venv.glob("lib/python3*/site-packages")))
     assert all(p.startswith(site_packages) for p in where[:2]), where
     assert where[2] == runtime_identity()  # the tools wheel's __main__.py changes no kit's identity
@@ -133,7 +135,8 @@ def test_the_model_users_commands_run_from_the_installed_wheels(wheels, tmp_path
     rows = list(csv.DictReader(open(work / "pred" / "predictions.csv")))
     assert len(rows) == 5 and {"prob_c0", "decision_c0"} <= set(rows[0])
     assert "A class is reported present when its probability is at least" in (work / "pred" / "README.txt").read_text()
-    run("export", "--model", model, "--format", "monai-bundle", "--out", work / "bundle", exe=str(venv / "bin" / "fedpartial"))
+    run("export", "--model", model, "--format", "monai-bundle", "--out", work / "bundle",
+        exe=str(venv / "bin" / "fedpartial"))
     run("-m", "monai.bundle", "run", "--config_file", work / "bundle" / "configs" / "inference.json",
         "--dataset_dir", pngs, "--output_dir", work / "bundle_out")
     bundled = list(csv.DictReader(open(work / "bundle_out" / "predictions.csv")))

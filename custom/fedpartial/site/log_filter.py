@@ -9,8 +9,8 @@ job store still says RUNNING:
 * the job's server process answers before its engine is attached (its first seconds):
   ``blob_cb threw: 'NoneType' object has no attribute 'get_widget'`` (the traceback ends in
   ``server_commands.py``) and ``Stream error: blob_cb threw AttributeError: ...``, in the job's log;
-* the job's process has already ended: ``cannot send to 'server.<job id>': target_unreachable``
-  (sub-topic ``get_run_info``), in the server's log.
+* the job's process has not connected yet or has already ended: ``cannot send to 'server.<job
+  id>': target_unreachable`` (sub-topic ``get_run_info``), in the server's log.
 
 The query gets no answer for that job; the job itself is untouched. Any other message of these
 loggers, and the same message in another context, keeps its level.

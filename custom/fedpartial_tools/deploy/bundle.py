@@ -260,7 +260,8 @@ def site_bundle(prod_dir: str, out_dir: str, wheel: Optional[str] = None, instal
     tools_files = [tools_wheel, tools_wheel + ".sha256", os.path.join(os.path.dirname(tools_wheel), TOOLS_LOCK)]
     missing = [f for f in runtime_files + tools_files if not os.path.isfile(f)]
     if missing:
-        raise FileNotFoundError(f"files missing beside the wheels: {missing} (build-runtime and build-tools write them)")
+        raise FileNotFoundError(f"files missing beside the wheels: {missing} (build-runtime and build-tools "
+                                f"write them)")
     identity = runtime_identity()
     out = []
     for name, kind in kits:

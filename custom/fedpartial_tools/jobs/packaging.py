@@ -90,9 +90,10 @@ def packaged_description(shipped: str, server: dict, client: dict, dataset: Opti
     method = re.split(r":|\. ", shipped, maxsplit=1)[0].strip().rstrip(".") or "fedpartial job"
     model = server.get("model") or {}
     classes = model.get("class_names") or []
+    counted = f"{len(classes)} class{'es' if len(classes) != 1 else ''}"
     parts = [f"min_clients {server['min_clients']}" if "min_clients" in server else "",
              f"{server['num_rounds']} rounds" if "num_rounds" in server else "",
-             f"{model.get('task', '?')}, {len(classes)} class{'es' if len(classes) != 1 else ''} ({', '.join(map(str, classes))})" if classes else "",
+             f"{model.get('task', '?')}, {counted} ({', '.join(map(str, classes))})" if classes else "",
              f"model {model['arch']}" if model.get("arch") else "",
              f"dataset '{dataset}'" if dataset else (f"data_root {data_root}" if data_root else "")]
     for component in client.get("executors", []):  # the rule's name, when the executor names one
