@@ -69,7 +69,7 @@ head -3 PRED/predictions.csv                       # per image: each class's pro
 
 def install_text(name: str, kind: str, wheel: str, identity: str, install_root: str = INSTALL_ROOT,
                  venv: str = VENV, user: str = USER, storage: str = SERVER_STORAGE, tools_wheel: str = "",
-                 tools_venv: str = TOOLS_VENV, gpu: bool = False) -> str:
+                 tools_venv: str = TOOLS_VENV, gpu: bool = False, memory_max: str = "80%", cpu_quota: str = "") -> str:
     """INSTALL.md of one participant: the exact commands, in order, with their expected output.
 
     Args:
@@ -81,6 +81,7 @@ def install_text(name: str, kind: str, wheel: str, identity: str, install_root: 
         tools_wheel: the tools wheel (sites and admins).
         tools_venv: where a site installs the tools venv (an admin installs it in its home).
         gpu: a site with NVIDIA GPUs (the CUDA lock first; the unit keeps the devices visible).
+        memory_max, cpu_quota: the unit's limits, as :func:`site_bundle` (for the text).
     """
     runtime, tools = os.path.basename(wheel), os.path.basename(tools_wheel)
     sums = f"{runtime}.sha256" + (f" {tools}.sha256" if tools_wheel else "")
@@ -132,6 +133,10 @@ Jobs are packaged from the consortium's checkout (`python -m fedpartial package-
             f"# CPU machine: torch's CPU build is not on PyPI; give pip the folder holding the torch file the\n"
             f"# consortium sent (--find-links) or PyTorch's CPU index (--extra-index-url .../whl/cpu):\n{cpu}\n"
             f"# or a machine with an NVIDIA GPU (PyPI's CUDA build of torch):\n#   {cuda}")
+    limits = ", ".join([f"MemoryMax={memory_max}" if memory_max else "no memory limit",
+                        f"CPUQuota={cpu_quota}" if cpu_quota else "no CPU limit"])
+    home = ("" if kind == "server" else " Data folders under `/home` are not readable under `ProtectHome=yes`: "
+            "keep them elsewhere (e.g. `/data`) or set `ProtectHome=read-only`.")
     text = head + f"""
 ## 2. The user and the kit
 ```bash
@@ -188,9 +193,8 @@ sudo -u {user} {site_cmd} status {kit}                    # running
 else 'start the server first'}). The unit restarts the kit after a crash or a reboot and confines it: it may write only
 {kit}{' and ' + storage if kind == 'server' else ''} (temporary files go to {kit}/tmp), it sees
 no home folder{'' if gpu else ', no device'}, and it has no capability;
-`systemd-analyze security fedpartial-{name}` rates it. `MemoryMax=` (80 % of the machine's memory) and
-`CPUQuota=` are in the unit: edit them there. Data folders under `/home` are not readable under
-`ProtectHome=yes`: keep them elsewhere (e.g. `/data`) or set `ProtectHome=read-only`.
+`systemd-analyze security fedpartial-{name}` rates it. Its limits: {limits}; edit
+`MemoryMax=` / `CPUQuota=` in the unit to change them.{home}
 Without systemd: `sudo -u {user} {start}` and `sudo -u {user} {site_cmd} stop {kit}`.
 
 ## {n + 1}. Daily and monthly
@@ -199,7 +203,7 @@ sudo -u {user} {site_cmd} cert-expiry {kit} --warn-days 30   # exit 1 under 30 d
 sudo -u {user} {site_cmd} clean {kit} --older-than 30 --dry-run   # then without --dry-run
 ```
 Logs: `{kit}/log.txt` and each job's `{kit}/<job_id>/log.txt`; they stay on this machine.{'''
-`status` and `clean` also cover the job store (finished jobs only).''' if kind == 'server' else ''}
+`status` and `clean` also cover the job store (`clean` removes finished jobs only).''' if kind == 'server' else ''}
 """
     if kind == "site":
         text += f"""
@@ -279,7 +283,8 @@ def site_bundle(prod_dir: str, out_dir: str, wheel: Optional[str] = None, instal
                 f.write(unit)
         with open(os.path.join(dest, "INSTALL.md"), "w") as f:
             f.write(install_text(name, kind, wheel, identity, install_root, venv, user, storage,
-                                 tools_wheel if kind != "server" else "", tools_venv, gpu=name in gpu_sites))
+                                 tools_wheel if kind != "server" else "", tools_venv, gpu=name in gpu_sites,
+                                 memory_max=memory_max, cpu_quota=cpu_quota))
         files = {}
         for folder, _, names in os.walk(dest):
             for n in names:
