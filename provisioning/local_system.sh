@@ -5,6 +5,8 @@
 #   provisioning/local_system.sh provision WORKSPACE [PROJECT_YML]   # default project_localhost.yml
 #   provisioning/local_system.sh install-runtime VENV   # a fresh venv holding only what a site installs:
 #                                                       # the hashed lock (pip --require-hashes) + the wheel
+#   provisioning/local_system.sh install-tools VENV     # a fresh tools venv (the model user's commands):
+#                                                       # the tools lock + the runtime and tools wheels
 #   provisioning/local_system.sh start WORKSPACE [VENV] # server + every site of the newest prod_NN, run by
 #                                                       # VENV's python and fedpartial-site (default: the
 #                                                       # checkout's venv); waits (WAIT_SITES s, default 120)
@@ -20,7 +22,7 @@
 set -euo pipefail
 DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$DIR")"
-USAGE="usage: provisioning/local_system.sh provision|install-runtime|start|stop WORKSPACE|VENV [...]"
+USAGE="usage: provisioning/local_system.sh provision|install-runtime|install-tools|start|stop WORKSPACE|VENV [...]"
 ACTION="${1:?$USAGE}"
 WS="${2:?$USAGE}"
 PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
@@ -49,6 +51,17 @@ case "$ACTION" in
     "$VENV/bin/python" -c "import fedpartial_tools" 2>/dev/null \
       && { echo "error: '$VENV' sees the checkout's tooling: not a wheel-only venv" >&2; exit 1; }
     echo "runtime installed in $VENV: $("$VENV/bin/python" -c 'from fedpartial.flare.common import runtime_identity as r; print(r())')";;
+  install-tools)
+    VENV="$WS"
+    [[ ! -e "$VENV" ]] || { echo "error: '$VENV' exists; install-tools makes a fresh venv" >&2; exit 2; }
+    WHEELS="$(mktemp -d)"
+    WHEEL="$("$PYTHON" -m fedpartial_tools.deploy build-runtime --out "$WHEELS")"
+    TOOLS="$("$PYTHON" -m fedpartial_tools.deploy build-tools --out "$WHEELS")"
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/pip" install -q --require-hashes -r "$WHEELS/requirements-tools.lock"
+    "$VENV/bin/pip" install -q --no-deps "$WHEEL" "$TOOLS"
+    rm -rf "$WHEELS"
+    echo "tools installed in $VENV: $(cd / && env -u PYTHONPATH "$VENV/bin/python" -m fedpartial --help | head -n 1)";;
   start)
     WS="$(cd "$WS" && pwd)"
     PROD="$(prod_dir)"; [[ -n "$PROD" ]] || { echo "error: nothing provisioned in $WS" >&2; exit 2; }

@@ -108,3 +108,14 @@ def import_cycles(graph: dict) -> list:
         if m not in state:
             visit(m, [m])
     return cycles
+
+
+def outer_pip_cache() -> str:
+    """pip's cache of the user running the tests (as setup.sh filled it), for the venvs the tests make
+    with another HOME: packages already fetched are not fetched again."""
+    import os
+
+    if os.environ.get("PIP_CACHE_DIR"):
+        return os.environ["PIP_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pip")

@@ -157,7 +157,12 @@ def test_package_job_refuses_more_min_clients_than_sites_and_fits_the_model_to_t
     _site_files(tmp_path / "sites")
     ok = package("--sites", "2", "--set", "min_clients=2", "--data-root", str(tmp_path / "sites"), "--fit-data")
     assert ok.returncode == 0, ok.stderr
-    assert json.loads((tmp_path / "job" / "meta.json").read_text())["min_clients"] == 2
+    meta = json.loads((tmp_path / "job" / "meta.json").read_text())
+    assert meta["min_clients"] == 2
+    # the job describes what it was packaged with, not the shipped data setting ("5 sites x 3 annotated classes")
+    assert meta["description"].startswith("FedLSM (MICCAI 2023), single-label label-set mismatch. Packaged with: "
+                                          "min_clients 2; 50 rounds; single-label, 3 classes (a, b, c)")
+    assert "5 sites" not in meta["description"]
     model = deploy.job_model(str(tmp_path / "job"))
     assert (model["class_names"], model["task"], model["in_channels"], model["input_size"]) == \
         (["a", "b", "c"], "single-label", 3, [12, 10])

@@ -7,20 +7,23 @@ run with no PYTHONPATH, from the venv's own site-packages) gets the hashed lock 
 ``pip install --require-hashes`` and the wheel with ``--no-deps``; the kits are started and stopped
 with that venv's ``fedpartial-site``. Then:
 
-* the bundles hold the kit, the wheel, its .sha256, both locks, the systemd unit and INSTALL.md;
+* the bundles hold the kit, the wheel, its .sha256, both locks, the systemd unit and INSTALL.md, and
+  the sites' and admins' the tools wheel and its lock (the tools venv: tests/test_tools_wheel.py);
 * a job packaged with ``--installed-runtime --dataset demo`` (no ``app/custom``) completes, run by
   the lead, and every participant's log shows fedpartial imported from the venv;
 * the same job with its code in ``app/custom`` is refused (no role has the byoc right), even for
   the project admin;
 * a job naming another runtime version for the sites fails at its start, with both versions in
   each site's log;
-* the site's ``fedpartial-site`` checks its certificate, status and preflight, and ``stop`` leaves
-  no process of the kit.
+* the site's ``fedpartial-site`` checks its certificate, status and preflight (the server's port
+  among its checks), and ``stop`` leaves no process of the kit; the kits keep their temporary files
+  in ``KIT/tmp``.
 
 One system is shared by the module; a finalizer stops every kit and kills anything left.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +36,7 @@ from fedpartial_tools.deploy import admin, processes, provision
 from fedpartial_tools.deploy.bundle import site_bundle
 from fedpartial_tools.jobs.packaging import package_job
 
+from helpers import outer_pip_cache
 from test_provisioned import CLASSES, _write_sites
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,7 +85,8 @@ def system(tmp_path_factory):
         bundle = Path(bundles["site-1"]["path"])
         for cmd in (pip + ["--require-hashes", "-r", str(bundle / "requirements-site.lock")],
                     pip + ["--no-deps", str(next(bundle.glob("fedpartial_runtime-*.whl")))]):
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(env, PIP_NO_INPUT="1"))
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                                 env=dict(env, PIP_NO_INPUT="1", PIP_CACHE_DIR=outer_pip_cache()))
             assert res.returncode == 0, f"{' '.join(cmd)}:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
         # each participant's kit where INSTALL.md puts it (cp -r kit /opt/flare/<name>)
         kits = {}
@@ -189,15 +194,22 @@ def test_sites_refuse_a_job_for_another_runtime_version(system, tmp_path):
 def test_the_bundle_and_the_site_command_work_from_the_wheel_alone(system):
     from fedpartial.flare.allowed import CLASS_ALLOW_LIST
 
+    runtime = ["fedpartial_runtime-0.1.0-py3-none-any.whl", "fedpartial_runtime-0.1.0-py3-none-any.whl.sha256",
+               "requirements-site-cuda.lock", "requirements-site.lock"]
+    tools = ["fedpartial_tools-0.1.0-py3-none-any.whl", "fedpartial_tools-0.1.0-py3-none-any.whl.sha256",
+             "requirements-tools.lock"]
+    assert sorted(b["kind"] for b in system["bundles"].values()) == ["admin"] * 3 + ["server"] + ["site"] * 2
     for name, bundle in system["bundles"].items():
         top = sorted(f for f in bundle["files"] if not f.startswith("kit" + os.sep))
-        assert top == ["INSTALL.md", f"fedpartial-{name}.service", "fedpartial_runtime-0.1.0-py3-none-any.whl",
-                       "fedpartial_runtime-0.1.0-py3-none-any.whl.sha256", "requirements-site-cuda.lock",
-                       "requirements-site.lock"], top
+        unit = [f"fedpartial-{name}.service"] if bundle["kind"] != "admin" else []
+        assert top == sorted(["INSTALL.md", *unit, *runtime, *(tools if bundle["kind"] != "server" else [])]), top
         # sha256sum -c, as INSTALL.md's first step
-        res = subprocess.run(["sha256sum", "-c", "fedpartial_runtime-0.1.0-py3-none-any.whl.sha256"],
-                             cwd=bundle["path"], capture_output=True, text=True)
-        assert res.returncode == 0 and res.stdout.count(": OK") == 3, res.stdout + res.stderr
+        sums = [f for f in top if f.endswith(".sha256")]
+        res = subprocess.run(["sha256sum", "-c", *sums], cwd=bundle["path"], capture_output=True, text=True)
+        assert res.returncode == 0 and res.stdout.count(": OK") == 3 + 2 * (len(sums) - 1), res.stdout + res.stderr
+        install = (Path(bundle["path"]) / "INSTALL.md").read_text()
+        numbers = [int(n) for n in re.findall(r"^## (\d+)\.", install, re.M)]
+        assert numbers == list(range(1, len(numbers) + 1)), (name, numbers)  # no section skipped
     site = system["kits"]["site-1"]
     # the venv has the runtime and its command, and no tooling
     probe = subprocess.run([str(system["venv"] / "bin" / "python"), "-c", "import fedpartial_tools"],
@@ -211,11 +223,21 @@ def test_the_bundle_and_the_site_command_work_from_the_wheel_alone(system):
     assert status["datasets"] == {DATASET: str(system["data_root"])}
     preflight = _site_cmd(system, "preflight", site)
     for check in ("python", "certificates", "allow-list", "logs stay here", "no code with jobs",
-                  f"dataset '{DATASET}'", "privacy policy"):
+                  f"dataset '{DATASET}'", "privacy policy", "server"):
         assert any(line.startswith("ok") and check in line for line in preflight.stdout.splitlines()), \
             (check, preflight.stdout)
     resources = json.loads((site / "local" / "resources.json").read_text())
     assert resources["class_allow_list"] == list(CLASS_ALLOW_LIST)
     unit = (Path(system["bundles"]["site-1"]["path"]) / "fedpartial-site-1.service").read_text()
     assert "User=flare" in unit and "ExecStart=/opt/fedpartial/venv/bin/fedpartial-site start /opt/flare/site-1 " \
-        "--foreground" in unit
+        "--foreground" in unit and "ReadWritePaths=/opt/flare/site-1\n" in unit
+    server_unit = (Path(system["bundles"]["localhost"]["path"]) / "fedpartial-localhost.service").read_text()
+    assert "ReadWritePaths=/opt/flare/localhost /var/lib/fedpartial\n" in server_unit
+    # the kits' temporary files and torch's caches stay in the kits, none in the machine's TMPDIR
+    for kit in system["kits"].values():
+        if (kit / "startup" / "sub_start.sh").is_file():
+            assert (kit / "tmp").is_dir(), kit
+    assert not list(Path(system["env"]["TMPDIR"]).glob("torchinductor_*"))
+    # started in the background, each kit's output goes to its console.log through the rotating writer
+    assert (site / "console.log").stat().st_size > 0
+    assert any("fedpartial.site.console_log" in cmd for cmd in processes.live_workspace_processes(str(site)).values())

@@ -135,6 +135,27 @@ def test_predict_png_folder_writes_probabilities_and_decisions(tmp_path, capsys)
         assert row["decision_c"] == str(int(float(row["prob_c"]) >= 0.5))
 
 
+def test_the_predictions_readme_says_the_thresholds_in_plain_words(tmp_path, capsys):
+    from fedpartial.algorithms.thresholds import threshold_meta
+
+    # thresholds the server chose at round 3 for the model of round 2, in a file of round 3's model
+    record = {"thresholds": {"a": 0.31, "b": 0.7}, "per_class": {}, "model_round": 2, "validated_at": 3, "sites": 2}
+    model_path = _model_file(tmp_path / "m.pt", decision_thresholds=threshold_meta(record, 3))
+    _png(tmp_path / "in" / "x.png", np.full((16, 16), 90))
+    main(["predict", "images", "--model", model_path, "--folder", str(tmp_path / "in"), "--out", str(tmp_path / "o")])
+    readme = (tmp_path / "o" / "README.txt").read_text()
+    assert ("A class is reported present when its probability is at least its threshold: a 0.31, b 0.70, c 0.50. "
+            "The thresholds were chosen on the participating hospitals' validation images with an earlier model of "
+            "the same training (round 2); this file holds round 3") in readme
+    assert "NOT this file's model" not in readme and "not a diagnosis" in readme
+    assert "decision_<class> is 1 when the class is reported present" in readme
+    assert "a 0.31, b 0.70, c 0.50" in capsys.readouterr().out
+    stored = threshold_meta(record, 2)  # the file of the model they were chosen with
+    model_path = _model_file(tmp_path / "m2.pt", decision_thresholds=stored)
+    main(["predict", "images", "--model", model_path, "--folder", str(tmp_path / "in"), "--out", str(tmp_path / "o2")])
+    assert "validation images with this model (round 2)" in (tmp_path / "o2" / "README.txt").read_text()
+
+
 def test_single_label_rows_name_the_predicted_class(tmp_path):
     model_path = _model_file(tmp_path / "m.pt", task="single-label")
     _png(tmp_path / "in" / "x.png", np.full((16, 16), 200))

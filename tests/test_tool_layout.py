@@ -40,7 +40,7 @@ MAY_IMPORT = {
     "deploy": {"data", "jobs", "run"},
     "bench": {"data", "model", "jobs", "run"},
 }
-TOP_LEVEL = {"__init__", "__main__", "cli", "evaluate"}
+TOP_LEVEL = {"__init__", "__main__", "cli", "model_cli", "evaluate"}
 # Stable public names kept where users and consortia wrote them: module -> where the code lives.
 SHIMS = {
     "recipes": "fedpartial_tools.jobs.recipes",  # from fedpartial_tools.recipes import FedLSMRecipe (README, USAGE)

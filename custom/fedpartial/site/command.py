@@ -7,7 +7,7 @@
     fedpartial-site cert-expiry KIT [--warn-days N] [--json]    # exit 1: expired or < N days left
     fedpartial-site clean KIT --older-than DAYS [--dry-run]     # old job folders, never a running job's
     fedpartial-site offer-dataset KIT NAME FOLDER               # which data jobs may read
-    fedpartial-site systemd-unit KIT [--user flare] [--storage DIR]
+    fedpartial-site systemd-unit KIT [--user flare] [--storage DIR] [--gpu] [--memory-max 80%] [--cpu-quota 400%]
 
 Also ``python -m fedpartial.site.command ...``. Errors are one line naming the kit or file (exit 2).
 """
@@ -50,13 +50,15 @@ def _cmd_status(args):
           f"datasets    {', '.join(f'{k} -> {v}' for k, v in sorted(datasets.items())) if datasets else datasets}\n"
           f"certificate {info['certificate_days_left']} days left\n"
           f"job folders {info['job_folders']} ({info['job_bytes'] / 2 ** 20:.1f} MiB)\n"
+          + (f"job store   {info['job_store']}: {info['job_store_jobs']} job(s) "
+             f"({info['job_store_bytes'] / 2 ** 20:.1f} MiB)\n" if info["kind"] == "server" else "") +
           f"last log    {info['last_log_line'][:160]}")
 
 
 def _cmd_preflight(args):
     from fedpartial.site.kit import preflight
 
-    rows = preflight(args.kit, warn_days=args.warn_days)
+    rows = preflight(args.kit, warn_days=args.warn_days, timeout=args.timeout)
     for r in rows:
         print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['check']:22s} {r['detail']}")
     failed = [r["check"] for r in rows if not r["ok"]]
@@ -90,18 +92,32 @@ def _cmd_clean(args):
     print(f"{verb} {len(gone)} job folder(s), {sum(j['bytes'] for j in gone) / 2 ** 20:.1f} MiB")
 
 
-def _cmd_offer_dataset(args):
+def offer_dataset_here(kit: str, name: str, folder: str) -> str:
+    """Offer ``folder`` under ``name`` in the kit (a site kit only); print what was written and, on
+    stderr, a warning when the folder does not (yet) hold this site's file readable by this user."""
     from fedpartial.flare.site_config import offer_dataset
+    from fedpartial.site.kit import dataset_problem, kit_kind
 
-    path = offer_dataset(args.kit, args.name, args.folder)
-    print(f"jobs may now name dataset '{args.name}' ({os.path.abspath(args.folder)}): {path}; a running kit "
-          f"reads it at each job's start")
+    if kit_kind(kit) != "site":
+        raise ValueError(f"'{kit}' is the server's kit: datasets are offered by site kits")
+    path = offer_dataset(kit, name, folder)
+    print(f"jobs may now name dataset '{name}' ({os.path.abspath(folder)}): {path}; a running kit reads it at "
+          f"each job's start")
+    problem, _ = dataset_problem(kit, os.path.abspath(folder))
+    if problem:
+        print(f"warning: {problem}: a job naming '{name}' fails at this site until it is there", file=sys.stderr)
+    return path
+
+
+def _cmd_offer_dataset(args):
+    offer_dataset_here(args.kit, args.name, args.folder)
 
 
 def _cmd_systemd_unit(args):
     from fedpartial.site.kit import systemd_unit
 
-    print(systemd_unit(args.kit, user=args.user, storage=args.storage), end="")
+    print(systemd_unit(args.kit, user=args.user, storage=args.storage, gpu=args.gpu, memory_max=args.memory_max,
+                       cpu_quota=args.cpu_quota), end="")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("preflight", help="check the kit before it goes live; exit 1 when a check fails")
     s.add_argument("kit")
     s.add_argument("--warn-days", type=float, default=30)
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the server's port")
     s.set_defaults(func=_cmd_preflight)
     s = sub.add_parser("cert-expiry", help="certificate expiry; exit 1 when expired or under --warn-days")
     s.add_argument("kit")
@@ -142,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("systemd-unit", help="print a systemd unit running the kit as an unprivileged user")
     s.add_argument("kit")
     s.add_argument("--user", default="flare")
-    s.add_argument("--storage", default=None)
+    s.add_argument("--storage", default=None, help="server only: its job store, writable besides the kit")
+    s.add_argument("--gpu", action="store_true", help="a GPU site: the devices stay visible")
+    s.add_argument("--memory-max", default="80%", help="MemoryMax= (e.g. 48G or 80%%; '' = none)")
+    s.add_argument("--cpu-quota", default="", help="CPUQuota= (e.g. 800%% = 8 cores; '' = none)")
     s.set_defaults(func=_cmd_systemd_unit)
     return p
 

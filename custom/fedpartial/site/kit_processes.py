@@ -76,8 +76,9 @@ def workspace_processes(root: str) -> Dict[int, str]:
     parents = {p: _ppid(p) for p in pids}
 
     def names_root(cmd: str) -> bool:
-        # only FLARE processes (python -m nvflare..., startup/sub_start.sh): never a user's editor or tail
-        if "nvflare" not in cmd and "/startup/" not in cmd:
+        # only FLARE processes (python -m nvflare..., startup/sub_start.sh) and the kit's console-log writer:
+        # never a user's editor or tail
+        if "nvflare" not in cmd and "/startup/" not in cmd and "fedpartial.site.console_log" not in cmd:
             return False
         cmd += " "
         return (root + "/") in cmd or (root + " ") in cmd

@@ -212,7 +212,7 @@ class SitePolicyBuilder(Builder):
         datasets: ``{name: folder}`` every site offers (written into its
             ``local/fedpartial_site.json``); a client entry of ``project.yml`` with its own
             ``datasets:`` mapping replaces it for that site. Default: none; each site then offers
-            its data itself (``python -m fedpartial_tools.deploy offer-dataset KIT NAME FOLDER``).
+            its data itself (``fedpartial-site offer-dataset KIT NAME FOLDER``).
     """
 
     def __init__(self, allow_byoc: bool = False, class_allow_list: Optional[Sequence[str]] = None,

@@ -19,8 +19,9 @@ Command line (used by the shell scripts)::
     python -m fedpartial_tools.deploy job-task JOBDIR | data-overrides DATA_ROOT
     python -m fedpartial_tools.deploy stop-leftovers ROOT  # end processes naming ROOT; rc 1 if any survive
     python -m fedpartial_tools.deploy build-runtime --out DIR   # DIR/fedpartial_runtime-<version>-py3-none-any.whl
+    python -m fedpartial_tools.deploy build-tools --out DIR     # DIR/fedpartial_tools-<version>-py3-none-any.whl
     python -m fedpartial_tools.deploy verify-runtime DIR/fedpartial_runtime-<version>-py3-none-any.whl
-    python -m fedpartial_tools.deploy lock-site-requirements   # requirements-site.lock (hashed pins)
+    python -m fedpartial_tools.deploy lock-site-requirements [--tools]   # requirements-site.lock (hashed pins)
     python -m fedpartial_tools.deploy docker-project provisioning/project.yml --out project_docker.yml
     python -m fedpartial_tools.deploy wait-sites PROD_DIR [--timeout S]   # until the server lists every site
     python -m fedpartial_tools.deploy cert-expiry KIT_OR_WORKSPACE [--warn-days 30]  # rc 1 if one is due
@@ -226,6 +227,12 @@ def _cmd_build_runtime(args):
     print(build_runtime(args.out))
 
 
+def _cmd_build_tools(args):
+    from fedpartial_tools.deploy.tools_wheel import build_tools
+
+    print(build_tools(args.out))
+
+
 def _cmd_verify_runtime(args):
     from fedpartial_tools.deploy.provision import verify_runtime
 
@@ -238,24 +245,24 @@ def _cmd_lock_site_requirements(args):
 
     started = time.time()
     out = lock_site_requirements(args.out or None, args.requirements or None, torch=args.torch,
-                                 pip_args=args.pip_arg, timeout=args.timeout)
+                                 pip_args=args.pip_arg, timeout=args.timeout, tools=args.tools)
     print(f"{out}: {len(check_site_lock(out))} hashed requirements ({time.time() - started:.0f} s)")
 
 
 def _cmd_offer_dataset(args):
-    from fedpartial.flare.site_config import offer_dataset
+    from fedpartial.site.command import offer_dataset_here
 
-    path = offer_dataset(args.kit, args.name, args.folder)
-    print(f"{args.kit}: jobs may now name dataset '{args.name}' ({os.path.abspath(args.folder)}); "
-          f"{path}. A running kit reads it at each job's start.")
+    offer_dataset_here(args.kit, args.name, args.folder)
 
 
 def _cmd_site_bundle(args):
     from fedpartial_tools.deploy.bundle import site_bundle
 
     started = time.time()
+    gpu = "all" if args.gpu == "all" else [n for n in args.gpu.split(",") if n]
     for b in site_bundle(args.prod_dir, args.out, wheel=args.wheel, install_root=args.install_root,
-                         venv=args.venv, user=args.user):
+                         venv=args.venv, user=args.user, storage=args.storage, tools_wheel=args.tools_wheel,
+                         tools_venv=args.tools_venv, gpu=gpu, memory_max=args.memory_max, cpu_quota=args.cpu_quota):
         top = {f: n for f, n in b["files"].items() if not f.startswith("kit" + os.sep)}
         kit = sum(n for f, n in b["files"].items() if f.startswith("kit" + os.sep))
         print(f"{b['path']} ({b['kind']}): kit/ {kit / 1024:.0f} KiB; "
@@ -376,14 +383,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="folder for fedpartial_runtime-<version>-py3-none-any.whl, its "
                                                 "requirements-site.lock and <wheel>.sha256")
     s.set_defaults(func=_cmd_build_runtime)
+    s = sub.add_parser("build-tools", help="build the tools wheel (the model user's import, evaluate, predict, "
+                                           "export) for a venv at a site or on a workstation")
+    s.add_argument("--out", required=True, help="folder for fedpartial_tools-<version>-py3-none-any.whl, its "
+                                                "requirements-tools.lock and <wheel>.sha256")
+    s.set_defaults(func=_cmd_build_tools)
     s = sub.add_parser("verify-runtime", help="check the files <wheel>.sha256 names (the wheel, its lock) against "
                                               "their sha256; exit 2 naming the first that differs")
-    s.add_argument("wheel", help="fedpartial_runtime-<version>-py3-none-any.whl (the .sha256 beside it)")
+    s.add_argument("wheel", help="fedpartial_runtime-<version>-py3-none-any.whl or fedpartial_tools-<version>-"
+                                 "py3-none-any.whl (the .sha256 beside it)")
     s.set_defaults(func=_cmd_verify_runtime)
     s = sub.add_parser("lock-site-requirements",
                        help="write requirements-site.lock: pyproject's runtime dependencies at requirements.txt's "
                             "pins and all they need, each with its sha256 (pip's resolver, --dry-run --report)")
-    s.add_argument("--out", default="", help="default: <repo>/requirements-site.lock")
+    s.add_argument("--out", default="", help="default: <repo>/requirements-site.lock (--tools: "
+                                              "<repo>/requirements-tools.lock)")
+    s.add_argument("--tools", action="store_true",
+                   help="the tools lock: the runtime's dependencies plus pyproject's 'use' extra (the model "
+                        "user's venv: import, evaluate, predict, export, monai.bundle run)")
     s.add_argument("--requirements", default="", help="the pins (default: <repo>/requirements.txt)")
     s.add_argument("--torch", default="", help="a torch pin replacing requirements.txt's, e.g. torch==2.13.0+cu128")
     s.add_argument("--pip-arg", action="append", default=[],
@@ -400,14 +417,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("root")
     s.add_argument("--wait", type=float, default=0, help="seconds to let them exit by themselves first")
     s.set_defaults(func=_cmd_stop_leftovers)
-    s = sub.add_parser("site-bundle", help="one folder per server / site kit of PROD_DIR with all it installs: "
-                                            "kit, runtime wheel, hashed locks (CPU, CUDA), systemd unit, INSTALL.md")
+    s = sub.add_parser("site-bundle", help="one folder per kit of PROD_DIR (server, sites, admins) with all it "
+                                            "installs: kit, runtime wheel and hashed locks (CPU, CUDA), tools wheel "
+                                            "and its lock (sites, admins), systemd unit (server, sites), INSTALL.md")
     s.add_argument("prod_dir", help="a provisioned prod_NN folder")
     s.add_argument("--out", required=True)
     s.add_argument("--wheel", default=None, help="a wheel built before (default: build one into OUT/runtime)")
     s.add_argument("--install-root", default="/opt/flare", help="where the kits go on the machines")
     s.add_argument("--venv", default="/opt/fedpartial/venv", help="the venv the runtime goes to on the machines")
     s.add_argument("--user", default="flare", help="the unprivileged OS user that runs each kit")
+    s.add_argument("--storage", default="/var/lib/fedpartial", help="the server's job store on its machine")
+    s.add_argument("--tools-wheel", default=None, help="a tools wheel built before (default: build one into OUT/tools)")
+    s.add_argument("--tools-venv", default="/opt/fedpartial/tools",
+                   help="the venv a site installs the tools wheel in (import, evaluate, predict, export)")
+    s.add_argument("--gpu", default="", metavar="SITES",
+                   help="comma-separated sites that train on NVIDIA GPUs, or 'all': their units keep the devices "
+                        "visible (PrivateDevices off) and INSTALL.md puts the CUDA lock first")
+    s.add_argument("--memory-max", default="80%", help="MemoryMax= of the units (e.g. 48G or 80%%; '' = none)")
+    s.add_argument("--cpu-quota", default="", help="CPUQuota= of the units (e.g. 800%% = 8 cores; '' = none)")
     s.set_defaults(func=_cmd_site_bundle)
 
     s = sub.add_parser("offer-dataset", help="let jobs read a folder of site files under a name: adds NAME -> "

@@ -152,6 +152,10 @@ REPO_ROOT = os.path.dirname(TOOLS_ROOT)
 SITE_LOCK = "requirements-site.lock"
 #: the same for sites with an NVIDIA GPU (PyPI's CUDA build of torch and its nvidia-* packages)
 SITE_LOCK_CUDA = "requirements-site-cuda.lock"
+#: the hashed lock of the model user's venv (the tools wheel: import, evaluate, predict, export, MONAI's runner)
+TOOLS_LOCK = "requirements-tools.lock"
+#: pyproject.toml's extra holding what the tools wheel needs beside the runtime's dependencies
+TOOLS_EXTRA = "use"
 # wheel timestamps (zip entries): fixed, so the same source builds the same wheel, byte for byte
 WHEEL_EPOCH = "315532800"  # 1980-01-01, the earliest date a zip entry holds
 
@@ -280,7 +284,7 @@ def verify_runtime(wheel: str) -> List[str]:
         if actual != digest.lower():
             raise ValueError(f"'{path}' has sha256 {actual}, but '{sums}' line {n} says {digest}: "
                              f"not the file that was built")
-        if name in (SITE_LOCK, SITE_LOCK_CUDA):
+        if name in (SITE_LOCK, SITE_LOCK_CUDA, TOOLS_LOCK):
             check_site_lock(path)
         checked.append(path)
     if wheel not in checked:
@@ -316,9 +320,10 @@ def check_site_lock(path: str) -> List[str]:
     return pins
 
 
-def _pinned_runtime_dependencies(pyproject: str, requirements: str, torch: str = "") -> List[str]:
-    """pyproject.toml's runtime dependencies, each at its pin in ``requirements`` (``torch`` replaces
-    the torch pin when given)."""
+def _pinned_runtime_dependencies(pyproject: str, requirements: str, torch: str = "",
+                                 extras: Sequence[str] = ()) -> List[str]:
+    """pyproject.toml's runtime dependencies (and those of its optional ``extras``), each at its pin
+    in ``requirements`` (``torch`` replaces the torch pin when given)."""
     import re
 
     try:
@@ -330,7 +335,12 @@ def _pinned_runtime_dependencies(pyproject: str, requirements: str, torch: str =
         return re.sub(r"[-_.]+", "-", name).lower()
 
     with open(pyproject, "rb") as f:
-        deps = tomllib.load(f)["project"].get("dependencies", [])
+        project = tomllib.load(f)["project"]
+    deps = list(project.get("dependencies", []))
+    for extra in extras:
+        if extra not in project.get("optional-dependencies", {}):
+            raise ValueError(f"'{pyproject}' has no optional-dependencies '{extra}'")
+        deps += project["optional-dependencies"][extra]
     pins = {}
     for line in open(requirements):
         line = line.split("#", 1)[0].strip()
@@ -347,7 +357,7 @@ def _pinned_runtime_dependencies(pyproject: str, requirements: str, torch: str =
     return out
 
 
-def site_lock_text(report: dict, direct: Sequence[str], source: str) -> str:
+def site_lock_text(report: dict, direct: Sequence[str], source: str, tools: bool = False) -> str:
     """The text of ``requirements-site.lock`` from a ``pip install --dry-run --report`` report: one
     ``name==version`` with the sha256 of the file pip chose, per package, sorted by name.
 
@@ -355,6 +365,7 @@ def site_lock_text(report: dict, direct: Sequence[str], source: str) -> str:
         report: the parsed report (format version 1).
         direct: the pinned requirements resolved (for the header).
         source: how the lock was made (for the header).
+        tools: the header of the tools lock (the model user's venv) instead of the site lock's.
     """
     from urllib.parse import unquote
 
@@ -381,20 +392,31 @@ def site_lock_text(report: dict, direct: Sequence[str], source: str) -> str:
         raise ValueError("pip report: nothing to install")
     python = f"{env.get('implementation_name', 'python')} {env.get('python_version', '?')}"
     platform = f"{env.get('sys_platform', '?')} {env.get('platform_machine', '?')}"
-    head = ("# requirements-site.lock: every package a fedpartial site or server installs before the runtime\n"
-            "# wheel, pinned with the sha256 of its file:\n"
-            "#   pip install --require-hashes -r requirements-site.lock\n"
-            "#   pip install --no-deps fedpartial_runtime-<version>-py3-none-any.whl\n"
-            f"# Resolved by pip for {python} on {platform} from pyproject.toml's runtime dependencies\n"
-            f"# at requirements.txt's pins: {' '.join(direct)}\n"
-            f"# Written by {source}; do not edit.\n")
+    if tools:
+        head = (f"# {TOOLS_LOCK}: every package the model user's venv (python -m fedpartial import / evaluate /\n"
+                "# predict / export, python -m monai.bundle run) installs before the two wheels, pinned with\n"
+                "# the sha256 of its file:\n"
+                f"#   pip install --require-hashes -r {TOOLS_LOCK}\n"
+                "#   pip install --no-deps fedpartial_runtime-<version>-py3-none-any.whl "
+                "fedpartial_tools-<version>-py3-none-any.whl\n"
+                f"# Resolved by pip for {python} on {platform} from pyproject.toml's runtime dependencies and\n"
+                f"# its '{TOOLS_EXTRA}' extra at requirements.txt's pins: {' '.join(direct)}\n"
+                f"# Written by {source}; do not edit.\n")
+    else:
+        head = ("# requirements-site.lock: every package a fedpartial site or server installs before the runtime\n"
+                "# wheel, pinned with the sha256 of its file:\n"
+                "#   pip install --require-hashes -r requirements-site.lock\n"
+                "#   pip install --no-deps fedpartial_runtime-<version>-py3-none-any.whl\n"
+                f"# Resolved by pip for {python} on {platform} from pyproject.toml's runtime dependencies\n"
+                f"# at requirements.txt's pins: {' '.join(direct)}\n"
+                f"# Written by {source}; do not edit.\n")
     if notes:
         head += "# Local builds:\n" + "".join(notes)
     return head + "".join(text for _, text in sorted(rows))
 
 
 def lock_site_requirements(out: Optional[str] = None, requirements: Optional[str] = None, torch: str = "",
-                           pip_args: Sequence[str] = (), timeout: float = 600) -> str:
+                           pip_args: Sequence[str] = (), timeout: float = 600, tools: bool = False) -> str:
     """Write the hashed site lock (default ``<repo>/requirements-site.lock``): pyproject.toml's
     runtime dependencies (torch, nvflare, monai, numpy, scikit-learn, tensorboard) at their pins in
     ``requirements.txt``, and every package they need, each pinned with the sha256 of the file pip
@@ -425,12 +447,17 @@ def lock_site_requirements(out: Optional[str] = None, requirements: Optional[str
         torch: a torch requirement replacing requirements.txt's (e.g. ``torch==2.13.0+cu128``).
         pip_args: further arguments of ``pip install`` (indexes, ``--python-version``, ...).
         timeout: seconds for pip.
+        tools: the tools lock instead (default ``<repo>/requirements-tools.lock``): the runtime's
+            dependencies plus pyproject.toml's ``use`` extra (DICOM, image and NIfTI readers, MONAI
+            bundle runner), what the model user's venv installs before the runtime and tools wheels.
     """
     import tempfile
 
-    out = os.path.abspath(out or os.path.join(REPO_ROOT, SITE_LOCK))
+    name = TOOLS_LOCK if tools else SITE_LOCK
+    out = os.path.abspath(out or os.path.join(REPO_ROOT, name))
     requirements = os.path.abspath(requirements or os.path.join(REPO_ROOT, "requirements.txt"))
-    direct = _pinned_runtime_dependencies(os.path.join(REPO_ROOT, "pyproject.toml"), requirements, torch)
+    direct = _pinned_runtime_dependencies(os.path.join(REPO_ROOT, "pyproject.toml"), requirements, torch,
+                                          extras=(TOOLS_EXTRA,) if tools else ())
     with tempfile.TemporaryDirectory() as tmp:
         wanted, report_file = os.path.join(tmp, "site.in"), os.path.join(tmp, "report.json")
         with open(wanted, "w") as f:
@@ -442,8 +469,9 @@ def lock_site_requirements(out: Optional[str] = None, requirements: Optional[str
             raise RuntimeError(f"'{' '.join(cmd)}' failed (exit {res.returncode}):\n{res.stdout}\n{res.stderr}")
         with open(report_file) as f:
             report = json.load(f)
-    text = site_lock_text(report, direct, "python -m fedpartial_tools.deploy lock-site-requirements")
-    text = text.replace(SITE_LOCK, os.path.basename(out))  # the header names the file it is in
+    command = "lock-site-requirements" + (" --tools" if tools else "")
+    text = site_lock_text(report, direct, f"python -m fedpartial_tools.deploy {command}", tools=tools)
+    text = text.replace(name, os.path.basename(out))  # the header names the file it is in
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out + ".tmp", "w") as f:
         f.write(text)

@@ -70,12 +70,38 @@ def package_job(job_dir: str, out_dir: str, overrides: Sequence[str] = (), data_
         meta["name"] = name
     if "min_clients" in configs["server"]:
         meta["min_clients"] = configs["server"]["min_clients"]
+    meta["description"] = packaged_description(meta.get("description", ""), configs["server"], configs["client"],
+                                               dataset, data_root)
     with open(meta_path, "w") as f:
         f.write(json.dumps(meta, indent=2) + "\n")
     if with_code:
         for app in glob.glob(os.path.join(out_dir, "*", "config")):
             copy_runtime(os.path.join(os.path.dirname(app), "custom"))
     return out_dir
+
+
+def packaged_description(shipped: str, server: dict, client: dict, dataset: Optional[str] = None,
+                         data_root: Optional[str] = None) -> str:
+    """What a packaged job says it is: the method (the shipped description up to its first ':' or
+    '. ') and the settings it was packaged with (sites, rounds, classes, data), not the data setting
+    the shipped job describes (e.g. "5 sites x 3 annotated classes")."""
+    import re
+
+    method = re.split(r":|\. ", shipped, maxsplit=1)[0].strip().rstrip(".") or "fedpartial job"
+    model = server.get("model") or {}
+    classes = model.get("class_names") or []
+    counted = f"{len(classes)} class{'es' if len(classes) != 1 else ''}"
+    parts = [f"min_clients {server['min_clients']}" if "min_clients" in server else "",
+             f"{server['num_rounds']} rounds" if "num_rounds" in server else "",
+             f"{model.get('task', '?')}, {counted} ({', '.join(map(str, classes))})" if classes else "",
+             f"model {model['arch']}" if model.get("arch") else "",
+             f"dataset '{dataset}'" if dataset else (f"data_root {data_root}" if data_root else "")]
+    for component in client.get("executors", []):  # the rule's name, when the executor names one
+        rule = ((component.get("executor") or {}).get("args") or {}).get("rule")
+        if isinstance(rule, str):
+            parts.append(f"client rule '{rule}'")
+            break
+    return f"{method}. Packaged with: " + "; ".join(p for p in parts if p) + "."
 
 
 def set_runtime_version(configs: Dict[str, dict], version: str) -> int:

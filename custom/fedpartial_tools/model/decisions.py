@@ -74,6 +74,41 @@ def threshold_source(meta: Mapping, override: Optional[float] = None) -> str:
     return "argmax (single-label)" if meta["task"] == SINGLE_LABEL else "0.5 (the default)"
 
 
+def threshold_words(meta: Mapping, thresholds: np.ndarray, override: Optional[float] = None) -> str:
+    """The decision rule in plain words, for whoever reads the predictions (a clinician): each class's
+    threshold, and where it came from without the model card's shorthand.
+
+    Args:
+        meta: the model file's meta.
+        thresholds: :func:`decision_thresholds`' result for it.
+        override: ``--threshold`` when given.
+    """
+    import re
+
+    names = [str(c) for c in meta["class_names"]][:len(thresholds)]
+    if meta["task"] == SINGLE_LABEL and np.isnan(thresholds).all():
+        return "Each image is given the one class with the highest probability."
+    values = ", ".join(f"{n} {'highest probability' if np.isnan(t) else f'{t:.2f}'}" for n, t in zip(names, thresholds))
+    head = f"A class is reported present when its probability is at least its threshold: {values}."
+    if override is not None:
+        return f"{head} The threshold was given by whoever ran the prediction (--threshold), the same for every class."
+    stored = meta.get("decision_thresholds")
+    if not stored:
+        return f"{head} No threshold was chosen for this model: 0.5 is the default, not a calibrated value."
+    source = str(stored.get("source", ""))
+    rounds = re.findall(r"the global model of round (\d+)|the (initial) global model", source)
+    chosen = [f"round {r}" if r else "the start" for r, initial in rounds[-1:]]
+    when = f" ({chosen[0]})" if chosen else ""
+    rest = "A class the hospitals had too few validation examples of keeps 0.5."
+    if "NOT this file's model" in source:
+        this = [f"round {r}" if r else "the start" for r, initial in rounds[:1]] if len(rounds) > 1 else []
+        return (f"{head} The thresholds were chosen on the participating hospitals' validation images with an "
+                f"earlier model of the same training{when}{'; this file holds ' + this[0] if this else ''}: they "
+                f"fit this model closely but were not computed on it. {rest}")
+    return (f"{head} The thresholds were chosen on the participating hospitals' validation images with this "
+            f"model{when}. {rest}")
+
+
 def decide(probs: np.ndarray, thresholds: np.ndarray) -> np.ndarray:
     """Per-class decisions: ``probs >= threshold``; a NaN threshold decides by argmax (the class is
     positive where it has the largest probability of the row).

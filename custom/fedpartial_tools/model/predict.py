@@ -29,7 +29,7 @@ import numpy as np
 
 from fedpartial.data.types import SEGMENTATION, SINGLE_LABEL, DataError
 from fedpartial_tools.model.cases import Case, Input, InputError, dicom_cases, image_cases, nifti_cases, servable
-from fedpartial_tools.model.decisions import decide, decision_thresholds, threshold_source
+from fedpartial_tools.model.decisions import decide, decision_thresholds, threshold_source, threshold_words
 
 PREDICTIONS_CSV = "predictions.csv"
 LESIONS_CSV = "lesions.csv"
@@ -194,7 +194,8 @@ def predict_inputs(model, meta: Mapping, inputs: Iterable[Input], out_dir: str, 
         on_error: called with the one-line message of each input that cannot be served.
 
     Returns:
-        ``{"output", "files", "images", "errors": [messages], "thresholds", "threshold_source"}``.
+        ``{"output", "files", "images", "errors": [messages], "thresholds", "threshold_source",
+        "decision_rule"}`` (``decision_rule``: the thresholds in plain words).
     """
     thresholds = decision_thresholds(meta, threshold)
     in_channels = int((meta.get("spec") or {}).get("in_channels") or 1)
@@ -249,7 +250,28 @@ def predict_inputs(model, meta: Mapping, inputs: Iterable[Input], out_dir: str, 
         if writer is not None:
             writer.close()
     return {"output": writer.path if writer else None, "files": done["files"], "images": done["images"],
-            "errors": errors, "thresholds": thresholds.tolist(), "threshold_source": threshold_source(meta, threshold)}
+            "errors": errors, "thresholds": thresholds.tolist(), "threshold_source": threshold_source(meta, threshold),
+            "decision_rule": threshold_words(meta, thresholds, threshold)}
+
+
+def readme_text(model_path: str, meta: Mapping, result: Mapping) -> str:
+    """``README.txt`` beside the predictions: what the file holds and how each decision was made, in
+    words a clinician reads without the model card."""
+    import datetime
+
+    names = ", ".join(str(c) for c in meta["class_names"])
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    if meta["task"] == SEGMENTATION:
+        files = (f"{LESIONS_CSV}: one row per input file: the number of lesions (connected regions the model "
+                 f"marks) and their volume; masks/: each file's lesion mask on its own grid.")
+    else:
+        files = (f"{PREDICTIONS_CSV}: one row per image (a DICOM frame or NIfTI slice per row): prob_<class> is the "
+                 f"model's probability (0 to 1), decision_<class> is 1 when the class is reported present"
+                 + (", predicted the class with the highest probability" if meta["task"] == SINGLE_LABEL else "")
+                 + ".")
+    return (f"Predictions of {os.path.abspath(model_path)} ({meta['task']}: {names}), written {when} by "
+            f"python -m fedpartial predict.\n\n{files}\n\n{result['decision_rule']}\n\n"
+            f"These are a model's outputs for review by a clinician, not a diagnosis.\n")
 
 
 # ---- command line ---------------------------------------------------------------------------------
@@ -278,8 +300,11 @@ def _cmd_predict(args) -> None:
     if not result["images"]:
         raise DataError(f"no input could be predicted ({len(result['errors'])} error(s), listed above)")
     what = "lesions per file and masks" if meta["task"] == SEGMENTATION else "probabilities and decisions"
+    readme = os.path.join(os.path.dirname(result["output"]), "README.txt")
+    with open(readme, "w") as f:
+        f.write(readme_text(args.model, meta, result))
     print(f"{result['images']} image(s) of {result['files']} file(s) predicted -> {result['output']} ({what}); "
-          f"decision thresholds: {result['threshold_source']}")
+          f"{readme} says how to read it. {result['decision_rule']}")
     if result["errors"]:
         say(f"{len(result['errors'])} input(s) could not be predicted (listed above)")
         raise SystemExit(1)
