@@ -266,7 +266,8 @@ def run_training(t: Training, score_on: str = "test", reuse: bool = False, rows_
     row["bench_args"] = t.bench_args
     curve = json.loads(row.get("curve") or "[]")
     # what the federation itself sees: the sites' own val splits, pooled, over the last 5 rounds
-    row[SITE_VAL_KEY] = float(np.nanmean(curve[-5:])) if curve else float("nan")
+    last = [v for v in curve[-5:] if v is not None and np.isfinite(v)]
+    row[SITE_VAL_KEY] = float(np.mean(last)) if last else float("nan")
     if rows_file:
         committed.append_row(rows_file, {**row, "settings_hash": key_hash,
                                          "commit": committed.current_commit(REPO), "device": committed.device_name(),
