@@ -75,7 +75,8 @@ def test_round_times_from_a_server_record(tmp_path):
 
 
 def test_timing_configs_and_their_ratios():
-    assert parse_config("flare-defaults=") == ("flare-defaults", ["task_request_interval=2.0", "task_check_period=0.5"])
+    assert parse_config("flare-defaults=") == ("flare-defaults", ["task_request_interval=2.0", "task_check_period=0.5",
+                                                                  "memory_gc_rounds=1"])
     assert parse_config("fast=task_request_interval=0.1;task_check_period=0.05") == (
         "fast", ["task_request_interval=0.1", "task_check_period=0.05"])
     rows = [{"config": "a", "startup_s": 30.0, "floor_round_s": 2.0, "recipe_round_s": 3.0, "train_s": 1.0},

@@ -11,8 +11,8 @@ reports, each from one run:
 
 Configurations (``--config NAME=key=value;key=value``) run one after the other in the same
 invocation, so their figures compare like with like on a noisy machine. The time settings of a
-job are its variables ``task_request_interval`` and ``task_check_period``
-(:data:`fedpartial_tools.jobs.recipes.TIMING`); ``flare-defaults`` sets FLARE's own (2 s, 0.5 s).
+job are its variables ``task_request_interval``, ``task_check_period`` and ``memory_gc_rounds``
+(:data:`fedpartial_tools.jobs.recipes.TIMING`); ``flare-defaults`` sets FLARE's own (2 s, 0.5 s, 1).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 #: FLARE 2.9's own timing: what a job without these variables runs with
-FLARE_DEFAULTS = ["task_request_interval=2.0", "task_check_period=0.5"]
+FLARE_DEFAULTS = ["task_request_interval=2.0", "task_check_period=0.5", "memory_gc_rounds=1"]
 
 
 def round_times(metrics_file: str, launched: float) -> Dict[str, float]:
