@@ -25,7 +25,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 PYTHON="${PYTHON:-$(command -v python3 || command -v python)}"
-# project.yml names fedpartial_tools.provision_builders.SitePolicyBuilder: nvflare imports it from here
+# project.yml names fedpartial_tools.deploy.builders.SitePolicyBuilder: nvflare imports it from here
 export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/../custom" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 "$PYTHON" -c "import nvflare" 2>/dev/null || { echo "error: '$PYTHON' cannot import nvflare; activate the venv" >&2; exit 2; }
 mkdir -p "$WS"

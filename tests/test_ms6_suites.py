@@ -16,9 +16,9 @@ from fedpartial.data.types import DataError
 from fedpartial_tools.bench import cli as bench, runner as bench_run, sources as bench_sources, suites as bench_suites
 from fedpartial_tools.bench.suites import MS6_PATIENTS, SUITE_GROUPS, SUITES, job_settings, suite_names
 from fedpartial_tools.cli import build_parser
-from fedpartial_tools.data.harmonise import (ROW_ID_BASE, StatedSource, back_to_native, combine_sources,
-                                             dice_pooled_native, harmonise_arrays, hold_out_patient, rater_agreement,
-                                             rater_agreement_file)
+from fedpartial_tools.data.harmonise import harmonise_arrays
+from fedpartial_tools.data.combine import (ROW_ID_BASE, StatedSource, back_to_native, combine_sources, dice_pooled_native,
+                                           hold_out_patient, rater_agreement, rater_agreement_file)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -255,7 +255,7 @@ def test_a_file_made_with_another_agreement_is_refused(sources, tmp_path):
     suite = SUITES["ms6-p2-m2"]
     made = bench_sources.suite_source(suite, "cpu", str(sources), str(tmp_path))
     other = InputAgreement.from_dict({"size": [160, 192]})
-    from fedpartial_tools.data.harmonise import combine_npz
+    from fedpartial_tools.data.combine import combine_npz
 
     combine_npz(suite.combine, other, str(tmp_path / "_data" / suite.dataset), str(sources))
     os.remove(made)

@@ -1,4 +1,4 @@
-"""The FLARE recipes (fedpartial_tools.recipes): jobs/ is their export, constructor defaults stay in
+"""The FLARE recipes (fedpartial_tools.jobs.recipes): jobs/ is their export, constructor defaults stay in
 the constructors, profiles replace the per-dataset folders, a baseline is matched to its method
 with one call, and a recipe runs through FLARE's own SimEnv."""
 import json

@@ -1,9 +1,8 @@
 """The tooling's layout (docs/ARCHITECTURE.md): subpackages by responsibility, each with a docstring;
 no import cycle between its modules nor between its subpackages, each subpackage importing only
 those it may; no module over MAX_LINES lines unless listed with its reason; the stable public
-names kept as small shims; and the runtime importing nothing of the tooling."""
+modules in their subpackages (no shims); and the runtime importing nothing of the tooling."""
 import ast
-import importlib
 import re
 from pathlib import Path
 
@@ -19,10 +18,6 @@ MAX_LINES = 450
 LONG_MODULES = {
     "fedpartial_tools.model.export": "one command: a result model exported for use outside fedpartial (formats, "
                                      "the decision thresholds it carries, its check)",
-    "fedpartial_tools.data.harmonise": "one command: sources brought onto one agreed grid and combined, with the "
-                                       "per-patient native-grid scoring that needs the same bookkeeping",
-    "fedpartial_tools.bench.streaming": "one experiment: streaming site folders against in-memory site files "
-                                        "(its child processes, timings and report)",
     "fedpartial_tools.deploy.provision": "one job: a provisioned project and the runtime its sites install",
     "fedpartial_tools.data.partition": "one job: splitting a source into site files (partition, label hiding, "
                                        "lesion keeping, the split command)",
@@ -31,7 +26,7 @@ LONG_MODULES = {
                                    "provision / admin / processes",
 }
 # Subpackages and what each may import of the tooling (docs/ARCHITECTURE.md); the top-level
-# modules (cli, evaluate, the shims) may import any subpackage, and no subpackage imports them.
+# modules (cli, model_cli, evaluate) may import any subpackage, and no subpackage imports them.
 MAY_IMPORT = {
     "data": set(),
     "model": {"data"},
@@ -41,15 +36,6 @@ MAY_IMPORT = {
     "bench": {"data", "model", "jobs", "run"},
 }
 TOP_LEVEL = {"__init__", "__main__", "cli", "model_cli", "evaluate"}
-# Stable public names kept where users and consortia wrote them: module -> where the code lives.
-SHIMS = {
-    "recipes": "fedpartial_tools.jobs.recipes",  # from fedpartial_tools.recipes import FedLSMRecipe (README, USAGE)
-    "provision_builders": "fedpartial_tools.deploy.builders",  # builder path in consortia's project.yml
-    "privacy": "fedpartial_tools.bench.privacy",  # python -m fedpartial_tools.privacy measure
-    "streaming": "fedpartial_tools.bench.streaming",  # python -m fedpartial_tools.streaming
-    "fedia_report": "fedpartial_tools.bench.fedia_report",  # python -m fedpartial_tools.fedia_report
-    "dicom_example": "fedpartial_tools.data.dicom_example",  # python -m fedpartial_tools.dicom_example (README)
-}
 
 
 def imports(name: str, path: Path, known) -> set:
@@ -126,26 +112,10 @@ def test_no_long_module_unless_listed():
     assert not stale, f"listed as long but no longer over {MAX_LINES} lines (or gone): {sorted(stale)}"
 
 
-def test_top_level_holds_the_user_commands_and_the_shims_only():
-    top = {f.stem for f in TOOLS.glob("*.py")}
-    assert top == TOP_LEVEL | set(SHIMS)
-    for shim, target in SHIMS.items():
-        path = TOOLS / f"{shim}.py"
-        doc = ast.get_docstring(ast.parse(path.read_text()))
-        assert doc.startswith("Stable public name") and target in doc, shim
-        assert len(path.read_text().splitlines()) <= 12, f"{shim}: a shim, not code"
-
-
-def test_the_stable_public_names_still_work():
-    from fedpartial_tools.deploy.builders import SitePolicyBuilder
-    from fedpartial_tools.jobs import recipes
-
-    old = importlib.import_module("fedpartial_tools.recipes")
-    assert old.FedLSMRecipe is recipes.FedLSMRecipe and old.FedAvgRecipe is recipes.FedAvgRecipe
-    assert old.RECIPES is recipes.RECIPES and old.export_job is recipes.export_job
-    assert importlib.import_module("fedpartial_tools.provision_builders").SitePolicyBuilder is SitePolicyBuilder
-    for shim in ("privacy", "streaming", "fedia_report", "dicom_example"):
-        assert callable(importlib.import_module(SHIMS[shim]).main), shim
+def test_top_level_holds_the_user_commands_only():
+    """Every other module lives in the subpackage of its responsibility, under the one name its
+    callers use (no re-export shims)."""
+    assert {f.stem for f in TOOLS.glob("*.py")} == TOP_LEVEL
     assert (TOOLS / "deploy" / "__main__.py").is_file()  # python -m fedpartial_tools.deploy
 
 

@@ -121,7 +121,7 @@ class SupervisedClient(ClientRule):
             it is needed; results do not depend on it). Off by default: on CPU, reading and
             converting a batch from a memory-mapped folder cost about 1-4% of a step, and the
             extra thread competes with torch for the cores
-            (``python -m fedpartial_tools.streaming --loader-workers 0,2``).
+            (``python -m fedpartial_tools.bench.streaming --loader-workers 0,2``).
         steps_of: ``{"rule": <registered client rule>, "rule_args": {...}}``: make, every round, as
             many optimizer steps as that rule states for this site's data
             (:meth:`~fedpartial.algorithms.base.ClientRule.round_steps`), drawing batches from the

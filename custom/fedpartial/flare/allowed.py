@@ -3,7 +3,7 @@
 FLARE checks every component path of a job that carries no code (``app/custom``) against the
 ``class_allow_list`` of the site's ``local/resources.json``: an entry matches a path exactly (or as
 a package prefix when it ends in ``.``). This list is what provisioning
-(:class:`fedpartial_tools.provision_builders.SitePolicyBuilder`) writes there, in place of FLARE's
+(:class:`fedpartial_tools.deploy.builders.SitePolicyBuilder`) writes there, in place of FLARE's
 default list: exact class paths only, so no module function, no test-only component (e.g.
 ``fedpartial.flare.filters.MessageRecorder``, which writes messages to any folder a config names) and
 no FLARE component the shipped jobs do not use (log streamers, peer-to-peer Swarm / Cyclic
@@ -15,7 +15,7 @@ it; ``tests/test_kit_policy.py`` checks every exported job against this list.
 
 #: fedpartial components: the executor, server aggregator, persistor, model locator and model
 #: selector of every job; the privacy filters (statistics filter of the jobs; weight-diff pair of
-#: ``fedpartial_tools.privacy``); the site's result policy and guards of ``provisioning/privacy.json``.
+#: ``fedpartial_tools.bench.privacy``); the site's result policy and guards of ``provisioning/privacy.json``.
 FEDPARTIAL_COMPONENTS = (
     "fedpartial.flare.aggregators.RuleAggregator",
     "fedpartial.flare.executors.FedPartialExecutor",
@@ -32,7 +32,7 @@ FEDPARTIAL_COMPONENTS = (
 
 #: FLARE components the shipped jobs and recipes use (workflows, shareable generator, model
 #: selector, validation JSON, TensorBoard analytics) and the weight filter of
-#: ``fedpartial_tools.privacy`` (PercentilePrivacy).
+#: ``fedpartial_tools.bench.privacy`` (PercentilePrivacy).
 FLARE_COMPONENTS = (
     "nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",
     "nvflare.app_common.shareablegenerators.full_model_shareable_generator.FullModelShareableGenerator",

@@ -11,8 +11,8 @@ import numpy as np
 
 def native_scorer(info: dict, scored, where: str):
     """A function of the scored split's lesion probabilities giving the pooled Dice on the held-out
-    patient's native grid (:func:`fedpartial_tools.data.harmonise.dice_pooled_native`), for a file of
-    :func:`fedpartial_tools.data.harmonise.hold_out_patient`; None for any other file.
+    patient's native grid (:func:`fedpartial_tools.data.combine.dice_pooled_native`), for a file of
+    :func:`fedpartial_tools.data.combine.hold_out_patient`; None for any other file.
 
     Args:
         info: the scored file's info (``native`` and ``input_agreement``).
@@ -25,7 +25,7 @@ def native_scorer(info: dict, scored, where: str):
     """
     from fedpartial.data.grid import AGREEMENT_KEY, InputAgreement
     from fedpartial.data.types import DataError
-    from fedpartial_tools.data.harmonise import NATIVE_KEY, ROW_ID_BASE, dice_pooled_native, native_patient
+    from fedpartial_tools.data.combine import NATIVE_KEY, ROW_ID_BASE, dice_pooled_native, native_patient
 
     native = (info or {}).get(NATIVE_KEY)
     if not native:

@@ -81,9 +81,9 @@ def suite_source(suite: "Suite", profile: str, data_dir: str, out_dir: str) -> s
 def combined_source(suite: "Suite", name: str, data_dir: str, out_dir: str) -> str:
     """The file a suite with ``combine`` runs on, each made once into ``<out_dir>/_data``: its
     sources (in ``data_dir``) brought to the suite's agreement and combined as ``name``
-    (:func:`fedpartial_tools.data.harmonise.combine_npz`), then, with ``holdout_patient``, the
+    (:func:`fedpartial_tools.data.combine.combine_npz`), then, with ``holdout_patient``, the
     held-out copy ``<stem>_holdout<P>_val<percent>.npz``
-    (:func:`fedpartial_tools.data.harmonise.hold_out_patient`).
+    (:func:`fedpartial_tools.data.combine.hold_out_patient`).
 
     Args:
         suite: the suite.
@@ -97,7 +97,7 @@ def combined_source(suite: "Suite", name: str, data_dir: str, out_dir: str) -> s
     """
     from fedpartial.data.grid import AGREEMENT_KEY, InputAgreement, agreement_differences, load_agreement
     from fedpartial.data.arrays import read_info_json
-    from fedpartial_tools.data.harmonise import combine_npz, hold_out_patient
+    from fedpartial_tools.data.combine import combine_npz, hold_out_patient
 
     agreement = load_agreement(os.path.join(REPO, suite.agreement))
     combined = os.path.join(out_dir, "_data", name)
@@ -132,7 +132,7 @@ def use_second_rater(split_dir: str, source: str, sites: Sequence[str]) -> dict:
 
     Args:
         split_dir: a split of ``source`` (site files ``<site>.npz``).
-        source: the file the split was made from (:func:`fedpartial_tools.data.harmonise.hold_out_patient`).
+        source: the file the split was made from (:func:`fedpartial_tools.data.combine.hold_out_patient`).
         sites: site names, e.g. ``("site-1", "site-2")``.
 
     Returns:
@@ -146,7 +146,7 @@ def use_second_rater(split_dir: str, source: str, sites: Sequence[str]) -> dict:
     from fedpartial.data.npz import load_npz
     from fedpartial.data.sitefile import write_site_file
     from fedpartial.data.types import DataError, Dataset, Split
-    from fedpartial_tools.data.harmonise import HAS_RATER2_KEY, RATER2_KEY
+    from fedpartial_tools.data.combine import HAS_RATER2_KEY, RATER2_KEY
 
     arrays = open_npz(source)
     second = {}

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from fedpartial_tools.data.harmonise import StatedSource
+from fedpartial_tools.data.combine import StatedSource
 from fedpartial_tools.jobs import folders, matching, settings
 
 
@@ -58,8 +58,8 @@ class Suite:
     # other patients' slices are shared out among the sites (made once into <out>/_data)
     holdout_patient: Optional[int] = None
     # sliced sources brought to ``agreement`` and combined into ``dataset``, made once into
-    # <out>/_data (fedpartial_tools.data.harmonise.combine_npz); with holdout_patient, that patient's
-    # slices are the test split (harmonise.hold_out_patient)
+    # <out>/_data (fedpartial_tools.data.combine.combine_npz); with holdout_patient, that patient's
+    # slices are the test split (combine.hold_out_patient)
     combine: Tuple[StatedSource, ...] = ()
     # the input agreement (a JSON file, relative to the repository) the sources are brought to;
     # every job gets it as model.input_agreement (server and client) and its size as model.input_size

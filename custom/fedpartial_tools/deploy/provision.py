@@ -21,7 +21,7 @@ from fedpartial.site.kit import keep_server_storage_in  # noqa: F401  (the site 
 DEFAULT_ADMINS = (("admin@hospital-a.org", "hospital_a", "project_admin"),
                   ("lead@hospital-a.org", "hospital_a", "lead"),
                   ("orgadmin@hospital-b.org", "hospital_b", "org_admin"))
-SITE_POLICY_BUILDER = "fedpartial_tools.provision_builders.SitePolicyBuilder"  # the stable public name (a shim)
+SITE_POLICY_BUILDER = "fedpartial_tools.deploy.builders.SitePolicyBuilder"  # the builder project.yml names
 # the folder holding fedpartial_tools: on PYTHONPATH for `nvflare provision` (it imports the builder)
 TOOLS_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Root CA validity of the projects provisioned here (as provisioning/project*.yml); FLARE's default is 360

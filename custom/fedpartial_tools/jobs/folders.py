@@ -96,7 +96,7 @@ def write_all(jobs_dir: str = JOBS_DIR) -> List[str]:
 
 
 def add_jobs_parser(sub) -> None:
-    p = sub.add_parser("jobs", help="check or regenerate jobs/ from the recipes (fedpartial_tools.recipes)")
+    p = sub.add_parser("jobs", help="check or regenerate jobs/ from the recipes (fedpartial_tools.jobs.recipes)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--check", action="store_true", help="report folders that differ from their recipe's export "
                                                         "(default)")

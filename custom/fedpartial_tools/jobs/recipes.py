@@ -9,7 +9,7 @@ were measured with; ``"paper"``: the paper's; data profiles such as ``"ctich"`` 
 the site files), rounds, model and rule arguments::
 
     from nvflare.recipe import SimEnv, PocEnv
-    from fedpartial_tools.recipes import FedLSMRecipe, FedAvgRecipe
+    from fedpartial_tools.jobs.recipes import FedLSMRecipe, FedAvgRecipe
 
     method = FedLSMRecipe(data_root="/data/sites", with_code=True)
     method.execute(PocEnv(poc_workspace="/tmp/poc"))
