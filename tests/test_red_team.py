@@ -128,7 +128,7 @@ def test_a_rule_naming_a_command_runs_nothing_at_the_server(system, tmp_path):
     ("client", "fedpartial.algorithms.registry.build_rule", {"side": "client", "name": "fedavg"}),
     ("server", "fedpartial.flare.common.atomic_write_json", {"path": "pwned_json", "obj": {}}),
     # a test-only recorder that writes pickles wherever a config says
-    ("client", "fedpartial.flare.filters.MessageRecorder", {"folder": "pwned_recorder"}),
+    ("client", "fedpartial.flare.recorder.MessageRecorder", {"folder": "pwned_recorder"}),
     # FLARE's log streamer (on FLARE's default list) and peer-to-peer controllers
     ("client", "nvflare.app_common.logging.job_log_streamer.JobLogStreamer", {}),
     ("server", "nvflare.app_common.workflows.cyclic_ctl.CyclicController", {}),
@@ -212,7 +212,7 @@ def test_a_renamed_submit_task_gets_no_local_model_and_logs_stay_at_the_sites(sy
     for site in SITES:
         assert f"site '{site}'" in logs[site] and "training images from" in logs[site]
     # what the server recorded of each site: counts only from >= 5 images, no key the policy does not know
-    from fedpartial.flare.filters import METRIC_RULES
+    from fedpartial.flare.result_policy import METRIC_RULES
     # what the aggregator adds of each site: sizes, sample count, validation, per-class val counts
     # (summed from the histograms the policy released: >= 5 positives and negatives)
     recorded_by_server = {"bytes_stats", "bytes_weights", "num_samples", "val", "val_counts"}

@@ -36,7 +36,7 @@ from fedpartial.training.losses import masked_bce_with_logits, masked_cross_entr
 LOSS_MODES = ("missing-negative", "partial", "full")
 
 #: What the client rule returns in ``metrics`` (sent as ``site_metrics``) and when a site's result
-#: policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+#: policy releases each key (the rules: ``fedpartial.flare.result_policy.METRIC_RULE_NAMES``).
 SENT_METRICS = {"fedavg": {"train_loss": "scope", "train_steps": "scope"}}
 
 
