@@ -365,7 +365,7 @@ SERVER_RULE_ARGS: Dict[str, Dict[str, Spec]] = {
 # ---- the model block ---------------------------------------------------------------------------------
 #: arch_args: shape options only (no weights file: MONAI's own loading is not reachable)
 ARCH_ARGS: Dict[str, Dict[str, Spec]] = {
-    "small_cnn": {"width": Int(1, 4096), "depth": Int(1, 12), "dropout": PROB, "stem_stride": Int(1, 8)},
+    "small_cnn": {"width": Int(1, 65536), "depth": Int(1, 12), "dropout": PROB, "stem_stride": Int(1, 8)},
     "resnet18": {"dropout": PROB, "conv1_t_size": Int(1, 15), "conv1_t_stride": Int(1, 8), "no_max_pool": Bool(),
                  "shortcut_type": Choice("A", "B"), "widen_factor": Num(0, 64, open_lo=True), "norm": NORM,
                  "act": ACT, "bias_downsample": Bool()},
@@ -478,7 +478,7 @@ COMPONENTS: Dict[str, Component] = {
         "wait_for_clients_timeout": Int(0, 10 ** 7)}),
     _NV + "workflows.scatter_and_gather.ScatterAndGather": Component(["server.workflows"], {
         "min_clients": Int(1, 10_000), "num_rounds": Int(1, 1_000_000), "start_round": Int(0, 1_000_000),
-        "wait_time_after_min_received": Int(0, 10 ** 6), "aggregator_id": NAME, "persistor_id": NAME,
+        "wait_time_after_min_received": Int(0, 10 ** 6), "aggregator_id": NAME, "persistor_id": OPTIONAL_NAME,
         "shareable_generator_id": NAME, "train_task_name": TASK, "train_timeout": Int(0, 10 ** 7),
         "ignore_result_error": Maybe(Bool()), "allow_empty_global_weights": Fixed(False),
         "task_check_period": PERIOD, "persist_every_n_rounds": Int(0, 10 ** 6),
@@ -547,13 +547,11 @@ def check_config(config, side: str, file: str = "", byoc: bool = False) -> Check
         refuse("the config", "must be a JSON object")
     out = Checked(side)
     variables = VARIABLES[side]
+    unknown = [k for k in config if k not in SECTIONS[side] and k not in variables and k not in SETTINGS[side]]
     for key, value in config.items():
-        if key in SECTIONS[side]:
+        if key in SECTIONS[side] or key in unknown:
             continue
         spec = variables.get(key) or SETTINGS[side].get(key)
-        if spec is None:
-            refuse(f"top-level key {_show(key)}", f"is not one a job may set (it may set "
-                                                  f"{sorted(set(variables) | set(SETTINGS[side]) | set(SECTIONS[side]))})")
         _plain(value, lambda where, v: refuse(f"top-level '{key}{where}'", _filled(v)))
         why = spec.why(value)
         if why:
@@ -594,6 +592,9 @@ def check_config(config, side: str, file: str = "", byoc: bool = False) -> Check
                 _component(entry.get("executor"), f"{at}.executor", f"{side}.executors", out, resolve, refuse, byoc, None)
             else:
                 _component(entry, at, f"{side}.{section}", out, resolve, refuse, byoc, ids)
+    if unknown:  # after the components, so that a value FLARE would fill in is what the message names
+        refuse(f"top-level key {_show(unknown[0])}", f"is not one a job may set (it may set "
+                                                     f"{sorted(set(variables) | set(SETTINGS[side]) | set(SECTIONS[side]))})")
     return out
 
 
