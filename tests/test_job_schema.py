@@ -342,7 +342,7 @@ def test_a_servers_min_sites_for_shared_stats_holds_whatever_the_job_asks(tmp_pa
     assert "class_counts" in agg._withhold_small_sums(fl_ctx, {"class_counts": np.array([2, 4])}, ctx)
 
 
-def test_a_site_refuses_rounds_beyond_its_limit():
+def test_a_site_refuses_rounds_beyond_its_limit(caplog):
     from nvflare.apis.dxo import DXO, DataKind
     from nvflare.apis.fl_constant import ReturnCode
     from nvflare.apis.fl_context import FLContext
@@ -357,6 +357,11 @@ def test_a_site_refuses_rounds_beyond_its_limit():
     task.set_header(AppConstants.CURRENT_ROUND, 0)
     task.set_header(AppConstants.NUM_ROUNDS, 4)
     assert ex.execute("train", task, FLContext(), Signal()).get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+    assert "site 'site-1' refuses round 0 of 4: beyond this site's limit of 3 rounds ('max_rounds'" in caplog.text
+    caplog.clear()
+    task.set_header(AppConstants.NUM_ROUNDS, 3)  # within the limit: it goes on to train (and fails here, unset up)
+    ex.execute("train", task, FLContext(), Signal())
+    assert "refuses round" not in caplog.text
 
 
 def test_floors_and_limits_have_documented_defaults_and_a_site_may_change_them():
