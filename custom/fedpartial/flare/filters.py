@@ -196,7 +196,8 @@ class StatisticsPrivacyFilter(DXOFilter):
             ``none, fedlsm, fedmlp, fedmlp_warmup, fedirm, fedirm_multilabel, fedia``, or ``auto`` (the
             method's defaults chosen per message from the keys present; a message that matches no
             method has every statistic withheld). Explicit arguments win.
-        min_count: k: a class-wise statistic from fewer than k samples is withheld (0 = off).
+        min_count: k: a class-wise statistic from fewer than k samples is withheld (0 = off); at a
+            provisioned site never below its own ``min_count`` (``local/fedpartial_site.json``).
         guards: ``{statistic: count key}``; which count guards which statistic.
         fill: ``{statistic: value}`` of a withheld row (number or ``"uniform"``; default 0).
         noise_sigma: ``{key: sigma}`` Gaussian noise per key (default none).

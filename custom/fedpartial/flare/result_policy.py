@@ -370,7 +370,8 @@ class SiteResultPolicy(Filter):
     * Log lines name the site, task, keys and kinds withheld, never a value.
 
     Args:
-        min_count: k: counts, and values over fewer than k samples / images, are withheld.
+        min_count: k: counts, and values over fewer than k samples / images, are withheld; never
+            below the site's own ``min_count`` (``local/fedpartial_site.json``).
         noise_sigma: ``{site_stats key: sigma}`` Gaussian noise on released statistics (default none).
         seed: noise seed; leave None outside tests.
     """
