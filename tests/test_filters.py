@@ -13,8 +13,8 @@ from nvflare.app_common.filters.percentile_privacy import PercentilePrivacy
 
 from fedpartial.algorithms.base import ServerContext, SiteUpdate
 from fedpartial.flare.common import SITE_METRICS, SITE_STATS
-from fedpartial.flare.filters import (MessageRecorder, RestoreFullWeights, SendWeightDiff, StatisticsPrivacyFilter,
-                                      add_result_filter, filter_statistics, load_recorded)
+from fedpartial.flare.filters import RestoreFullWeights, SendWeightDiff, StatisticsPrivacyFilter, filter_statistics
+from fedpartial.flare.recorder import MessageRecorder, add_result_filter, load_recorded
 
 C, D = 3, 4
 GLOBAL = {"fc.weight": np.zeros((C, D), np.float32), "fc.bias": np.zeros(C, np.float32)}
@@ -230,7 +230,7 @@ def test_privacy_filters_in_a_job_config(tmp_path):
                {"path": "nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",
                 "args": {"percentile": 10, "gamma": 0.1}},
                {"path": "nvflare.app_common.filters.exclude_vars.ExcludeVars", "args": {"exclude_vars": ["fc.bias"]}},
-               {"path": "fedpartial.flare.filters.MessageRecorder", "args": {"folder": str(tmp_path / "wire")}}]
+               {"path": "fedpartial.flare.recorder.MessageRecorder", "args": {"folder": str(tmp_path / "wire")}}]
     sets = [*METHODS["fedlsm"][2], "num_rounds=2",
             "client.task_data_filters=" + json.dumps([{"tasks": ["train"], "filters": [
                 {"path": "fedpartial.flare.filters.SendWeightDiff", "args": {}}]}]),

@@ -44,7 +44,7 @@ REFUSED = ["nvflare.app_common.logging.job_log_streamer.JobLogStreamer",
            "fedpartial.algorithms.registry.build_rule",
            "fedpartial.flare.common.build_rule",
            "fedpartial.flare.common.atomic_write_json",
-           "fedpartial.flare.filters.MessageRecorder"]
+           "fedpartial.flare.recorder.MessageRecorder"]
 
 
 @pytest.fixture(scope="module")

@@ -115,7 +115,7 @@ def run_recorded(tmp_path: Path, method: str, extra=(), data_root=None, kind=Non
     """Run METHODS[method] for 2 rounds with a MessageRecorder last in every client result chain.
     Returns (simulate summary, records, model state shapes, sites' train splits)."""
     from fedpartial.flare.common import build_model_from_settings, model_settings
-    from fedpartial.flare.filters import add_result_filter, load_recorded
+    from fedpartial.flare.recorder import add_result_filter, load_recorded
     from fedpartial_tools.jobs.packaging import package_job
     from fedpartial_tools.run.simulator import simulate
 
@@ -128,7 +128,7 @@ def run_recorded(tmp_path: Path, method: str, extra=(), data_root=None, kind=Non
                            with_code=False))
     client_path = src / "app" / "config" / "config_fed_client.json"
     client = json.loads(client_path.read_text())
-    add_result_filter(client, {"path": "fedpartial.flare.filters.MessageRecorder",
+    add_result_filter(client, {"path": "fedpartial.flare.recorder.MessageRecorder",
                                "args": {"folder": str(tmp_path / "wire")}})
     client_path.write_text(json.dumps(client, indent=1))
     summary = simulate(str(src), str(data_root), str(tmp_path / "ws"), timeout=300, log=lambda m: None)

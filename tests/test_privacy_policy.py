@@ -20,7 +20,8 @@ from nvflare.app_common.abstract.model import make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 
 from fedpartial.flare.common import GLOBAL_STATS, SITE_METRICS, SITE_STATS
-from fedpartial.flare.filters import SiteResultPolicy, StatisticsPrivacyFilter
+from fedpartial.flare.filters import StatisticsPrivacyFilter
+from fedpartial.flare.result_policy import SiteResultPolicy
 from fedpartial.flare.site_policy import TASK_RECEIVED_MODEL, WITHHELD, FedEventGuard, LocalModelGate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +72,7 @@ def test_shipped_policy_format():
     gate = {"path": "fedpartial.flare.site_policy.LocalModelGate", "args": {"share_local_model": False}}
     assert scope["task_data_filters"] == [gate]  # the gate's half that sees what a task brought
     assert scope["task_result_filters"][0] == gate
-    assert scope["task_result_filters"][1]["path"] == "fedpartial.flare.filters.SiteResultPolicy"
+    assert scope["task_result_filters"][1]["path"] == "fedpartial.flare.result_policy.SiteResultPolicy"
     assert scope["task_result_filters"][1]["args"]["min_count"] >= 5 and len(scope["task_result_filters"]) == 2
     guard = next(c for c in policy["components"] if c["path"].endswith("FedEventGuard"))
     assert guard["args"]["allowed_events"] == ["fed.analytix_log_stats"]

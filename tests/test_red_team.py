@@ -32,6 +32,10 @@ OVERRIDES = ["num_rounds=1", "server.min_clients=2", f"model.class_names={json.d
              "rule_args.batch_size=16", "device=cpu"]
 
 
+# a secret in every participant's environment, as a kit's service might hold one
+SECRET_VAR, SECRET = "FEDPARTIAL_RED_TEAM_SECRET", "s3cr3t-ab"
+
+
 @pytest.fixture(scope="module")
 def system(tmp_path_factory):
     root = tmp_path_factory.mktemp("red_team")
@@ -42,8 +46,10 @@ def system(tmp_path_factory):
     # the kits as a consortium provisions them: SitePolicyBuilder with project.yml's arguments
     policy = {"allow_byoc": False, "privacy_file": str(REPO / "provisioning" / "privacy.json"),
               "datasets": {DATASET: str(offered)}}
-    with running_system(root, "red_team", SITES, policy) as system:
-        yield dict(system, offered=offered, other=other, storage=root / "storage")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SECRET_VAR, SECRET)
+        with running_system(root, "red_team", SITES, policy) as system:
+            yield dict(system, offered=offered, other=other, storage=root / "storage")
 
 
 def _job(tmp_path, name, overrides=(), job="fedavg", **kwargs) -> Path:
@@ -76,6 +82,8 @@ def _logs(system, result) -> dict:
         out[site] = path.read_text(errors="replace") if path.is_file() else ""
     out["localhost"] = Path(result["server_log"]).read_text(errors="replace") if result["server_log"] else ""
     out["server_main"] = (system["prod"] / "localhost" / "log.txt").read_text(errors="replace")
+    for site in SITES:  # where a site's job gate logs what it refused at deployment
+        out[f"{site}_main"] = (system["prod"] / site / "log.txt").read_text(errors="replace")
     return out
 
 
@@ -98,11 +106,14 @@ def test_a_rule_naming_a_command_runs_nothing_at_the_sites(system, tmp_path):
         args["rule"], args["rule_args"] = "subprocess.run", {"args": ["sh", "-c", f"id > {marker}"]}
     job = _job(tmp_path, "rule_cmd")
     _edit(job, "client", attack)
+    _two_apps(job)  # the server never sees the client config: each site's gate decides
     result = _run(system, tmp_path, job)
     _failed(result)
     logs = _logs(system, result)
     for site in SITES:
-        assert "the job's client 'rule' 'subprocess.run' is not a registered client rule" in logs[site], site
+        assert (f"site '{site}' refuses the job: config_fed_client.json: component "
+                f"fedpartial.flare.executors.FedPartialExecutor (executors[0].executor), argument 'rule' = "
+                f"'subprocess.run' must be one of ['fedavg'") in logs[f"{site}_main"], site
     _no_marker(system, tmp_path)
 
 
@@ -118,7 +129,9 @@ def test_a_rule_naming_a_command_runs_nothing_at_the_server(system, tmp_path):
     _edit(job, "server", attack)
     result = _run(system, tmp_path, job)
     _failed(result)
-    assert "'subprocess.run' is not a registered server rule" in _logs(system, result)["localhost"]
+    assert ("the server refuses the job: config_fed_server.json: component 'aggregator' "
+            "(fedpartial.flare.aggregators.RuleAggregator), argument 'rule' = 'subprocess.run' must be one of"
+            in _logs(system, result)["server_main"])
     _no_marker(system, tmp_path)
 
 
@@ -128,7 +141,7 @@ def test_a_rule_naming_a_command_runs_nothing_at_the_server(system, tmp_path):
     ("client", "fedpartial.algorithms.registry.build_rule", {"side": "client", "name": "fedavg"}),
     ("server", "fedpartial.flare.common.atomic_write_json", {"path": "pwned_json", "obj": {}}),
     # a test-only recorder that writes pickles wherever a config says
-    ("client", "fedpartial.flare.filters.MessageRecorder", {"folder": "pwned_recorder"}),
+    ("client", "fedpartial.flare.recorder.MessageRecorder", {"folder": "pwned_recorder"}),
     # FLARE's log streamer (on FLARE's default list) and peer-to-peer controllers
     ("client", "nvflare.app_common.logging.job_log_streamer.JobLogStreamer", {}),
     ("server", "nvflare.app_common.workflows.cyclic_ctl.CyclicController", {}),
@@ -139,10 +152,9 @@ def test_components_off_the_allow_list_are_refused(system, tmp_path, side, path,
     _edit(job, side, lambda config: config["components"].append({"id": "attack", "path": path, "args": args}))
     result = _run(system, tmp_path, job)
     _failed(result)
-    logs = _logs(system, result)
-    where = ["localhost"] if side == "server" else SITES
-    seen = "\n".join(logs[w] for w in where) + logs["server_main"]
-    assert f"Component '{path}'" in seen and "is not in allow_list" in seen, path
+    # the server's job gate refuses it at deployment, before FLARE's allow-list would
+    assert (f"the server refuses the job: config_fed_{side}.json: component 'attack' ({path}) is not one a job "
+            f"may name") in _logs(system, result)["server_main"], path
     _no_marker(system, tmp_path)
 
 
@@ -165,15 +177,16 @@ def test_a_job_writing_outside_its_run_folder_is_refused(system, tmp_path):
     job = _job(tmp_path, "state_out", [f"client.state_dir={json.dumps(str(target))}"])
     result = _run(system, tmp_path, job)
     _failed(result)
-    logs = _logs(system, result)
-    for site in SITES:
-        assert f"its 'state_dir' ('{target}') must be a path relative to" in logs[site]
+    assert (f"argument 'state_dir' = '{target}' must be a relative path without '..'"
+            in _logs(system, result)["server_main"])
     assert not target.exists()
     kit_local = system["prod"] / "site-1" / "local"
     job2 = _job(tmp_path, "state_kit", ['client.state_dir="../local"'])
+    _two_apps(job2)
     result = _run(system, tmp_path, job2)
     _failed(result)
-    assert "its 'state_dir' ('../local')" in _logs(system, result)["site-1"]
+    assert "argument 'state_dir' = '../local' must be a relative path without '..'" in \
+        _logs(system, result)["site-1_main"]
     assert not (kit_local / "site-1").exists()
 
 
@@ -212,7 +225,7 @@ def test_a_renamed_submit_task_gets_no_local_model_and_logs_stay_at_the_sites(sy
     for site in SITES:
         assert f"site '{site}'" in logs[site] and "training images from" in logs[site]
     # what the server recorded of each site: counts only from >= 5 images, no key the policy does not know
-    from fedpartial.flare.filters import METRIC_RULES
+    from fedpartial.flare.result_policy import METRIC_RULES
     # what the aggregator adds of each site: sizes, sample count, validation, per-class val counts
     # (summed from the histograms the policy released: >= 5 positives and negatives)
     recorded_by_server = {"bytes_stats", "bytes_weights", "num_samples", "val", "val_counts"}
@@ -310,7 +323,7 @@ def test_monai_weight_loading_through_arch_args_is_refused(system, tmp_path):
                                                f'model.arch_args={{"pretrained": "{secret}"}}'])
     result = _run(system, tmp_path, job)
     _failed(result)
-    assert "arch_args ['pretrained'] not allowed" in _logs(system, result)["localhost"]
+    assert "'arch_args' of resnet18 has 'pretrained', which is not one of" in _logs(system, result)["server_main"]
 
 
 @pytest.mark.slow
@@ -351,3 +364,140 @@ def test_a_round_on_one_image_sends_nothing(system, tmp_path):
     server_tb = list(Path(result["result_dir"]).rglob("tb_events/*/events.*"))
     for path in server_tb:  # no curve of that round reached the server either
         assert b"train/train_loss" not in path.read_bytes(), path
+
+
+# ---- values: a job is data each participant checks against the schema and its own limits ----------
+def _refused_at_deployment(system, tmp_path, result, message: str, where=("server_main",)) -> dict:
+    """The job failed before it ran anywhere: ``message`` in the logs of ``where``, no model, no
+    round, no site read its data, and the participants' secret is nowhere the lead or a peer can see."""
+    _failed(result)
+    logs = _logs(system, result)
+    for w in where:
+        assert message in logs[w], (w, message, logs[w][-3000:])
+    rounds = json.loads(Path(result["metrics"]).read_text())["rounds"] if result["metrics"] else []
+    assert not rounds, rounds
+    for site in SITES:
+        assert "training images from" not in logs[site], site
+    for base in (Path(result["result_dir"]), system["storage"], system["prod"] / "site-1", system["prod"] / "site-2"):
+        for path in (p for p in base.rglob("*") if p.is_file()):
+            assert SECRET.encode() not in path.read_bytes(), f"the secret reached {path}"
+    return logs
+
+
+def _two_apps(job: Path) -> None:
+    """The server's app and the sites' app apart: the server never sees the client config, so each
+    site's own gate decides."""
+    import shutil
+
+    shutil.copytree(job / "app", job / "app_server")
+    (job / "app_server" / "config" / "config_fed_client.json").unlink()
+    (job / "app" / "config" / "config_fed_server.json").unlink()
+    meta = json.loads((job / "meta.json").read_text())
+    meta["deploy_map"] = {"app_server": ["server"], "app": SITES}
+    (job / "meta.json").write_text(json.dumps(meta))
+
+
+def _env_pairs(config):
+    """Two characters of the site's secret into its released step count, through FLARE's {$VAR}."""
+    args = config["executors"][0]["executor"]["args"]
+    args["rule_args"]["local_iterations"] = f"{{{{it_{{${SECRET_VAR}[0]}}{{${SECRET_VAR}[1]}}}}}}"
+    for a in "s3":
+        for b in "s3":
+            config[f"it_{a}{b}"] = 1 + ord(a) + ord(b)
+
+
+def _per_site_gamma(config):
+    """Other settings per site inside one app: site-2 zeroes its update, so the average is site-1's."""
+    config["gamma_site-1"], config["gamma_site-2"] = 0, 1e-30
+    config["task_result_filters"] = [{"tasks": ["train"], "filters": [{
+        "path": "nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",
+        "args": {"percentile": 100, "gamma": "{{gamma_{SITE_NAME}}}"}}]}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change, message", [
+    (_env_pairs, f"argument 'rule_args.local_iterations' holds '{{{{it_{{${SECRET_VAR}[0]}}"),
+    (_per_site_gamma, "argument 'gamma' holds '{{gamma_{SITE_NAME}}}'"),
+], ids=["env_in_rule_args", "site_name_variables"])
+@pytest.mark.parametrize("apps", ["one_app", "two_apps"])
+def test_a_value_filled_in_from_a_participants_world_is_refused(system, tmp_path, change, message, apps):
+    job = _job(tmp_path, "filled_in")
+    _edit(job, "client", change)
+    if apps == "two_apps":
+        _two_apps(job)
+    result = _run(system, tmp_path, job)
+    # one app: the server sees the client config and refuses it first; two: each site's gate refuses
+    who = "the server" if apps == "one_app" else "site 'site-1'"
+    _refused_at_deployment(system, tmp_path, result,
+                           f"{who} refuses the job: config_fed_client.json: component", ["server_main"])
+    logs = _logs(system, result)
+    assert message in logs["server_main"], logs["server_main"][-3000:]
+    if apps == "two_apps":
+        for site in SITES:
+            assert f"site '{site}' refuses the job: config_fed_client.json" in logs[f"{site}_main"], site
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c["model"]["class_names"].__setitem__(0, f"{{${SECRET_VAR}}}"),
+     f"top-level 'model.class_names[0]' holds '{{${SECRET_VAR}}}'"),
+    (lambda c: next(x for x in c["components"] if x["id"] == "persistor")["args"].__setitem__(
+        "resume_from", f"{{${SECRET_VAR}}}"),
+     f"component 'persistor' (fedpartial.flare.persistor.FedPartialPersistor), argument 'resume_from' holds "
+     f"'{{${SECRET_VAR}}}'"),
+], ids=["class_names", "resume_from"])
+def test_the_servers_environment_does_not_reach_the_lead(system, tmp_path, change, message):
+    job = _job(tmp_path, "server_env")
+    _edit(job, "server", change)
+    result = _run(system, tmp_path, job)
+    _refused_at_deployment(system, tmp_path, result, f"the server refuses the job: config_fed_server.json: {message}")
+
+
+@pytest.mark.slow
+def test_a_job_cannot_lower_the_servers_floor_for_shared_statistics(system, tmp_path):
+    """FedLSM with min_sites_for_shared_stats=0 on two sites: the server's floor (3) holds, so the
+    summed counts neither reach the sites nor the downloaded model; the job completes."""
+    from fedpartial.models.io import load_model_file
+
+    job = _job(tmp_path, "shared_stats", ["min_sites_for_shared_stats=0"], job="fedlsm")
+    result = _run(system, tmp_path, job)
+    assert result["status"] == "FINISHED:COMPLETED", result["status"]
+    _, meta = load_model_file(result["global_model"])
+    stats = meta.get("global_stats") or {}
+    assert not {"class_counts", "label_pos", "label_neg"} & set(stats), sorted(stats)
+    assert ("the job's min_sites_for_shared_stats=0 is below this server's floor: 3 applies"
+            in _logs(system, result)["localhost"])
+    rounds = json.loads(Path(result["metrics"]).read_text())["rounds"]
+    assert all("class_counts" in r["server"]["withheld_from_sites"] for r in rounds)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, who, message", [
+    (["model.arch_args.width=20000"], "the server", "is beyond this participant's limit of 50,000,000 "
+                                                    "('max_model_parameters' in"),
+    (["num_rounds=100000"], "the server", "ScatterAndGather num_rounds = 100000 is beyond this participant's "
+                                          "limit of 1,000 ('max_rounds' in"),
+    (["rule_args.batch_size=100000"], "site 'site-1'", "FedPartialExecutor rule_args.batch_size = 100000 is beyond "
+                                                       "this participant's limit of 256 ('max_batch_size' in"),
+    (["rule_args.num_views=1000"], "site 'site-1'", "FedPartialExecutor rule_args.num_views = 1000 is beyond this "
+                                                    "participant's limit of 8 ('max_views' in"),
+], ids=["width", "rounds", "batch", "views"])
+def test_a_job_beyond_a_participants_limits_is_refused_before_anything_is_allocated(system, tmp_path, overrides,
+                                                                                   who, message):
+    job = _job(tmp_path, "too_big", overrides)
+    result = _run(system, tmp_path, job)
+    _refused_at_deployment(system, tmp_path, result, f"{who} refuses the job: ")
+    assert message in _logs(system, result)["server_main"]
+    for w in ("server_main", "site-1_main", "site-2_main"):
+        assert "can't allocate memory" not in _logs(system, result)[w]
+
+
+@pytest.mark.slow
+def test_the_round0_model_cannot_come_with_the_job(system, tmp_path):
+    """A model crafted to probe the sites' labels through their validation answers, shipped in the
+    job's app folder: the server starts only from weights its operator placed in its kit."""
+    job = _job(tmp_path, "crafted_start", ['model.pretrained="crafted.pt"'])
+    (job / "app" / "crafted.pt").write_bytes(b"not the consortium's weights")
+    result = _run(system, tmp_path, job)
+    _refused_at_deployment(system, tmp_path, result, "the server refuses the job: its 'model.pretrained' "
+                                                     "('crafted.pt') is not in ")

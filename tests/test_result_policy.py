@@ -12,8 +12,9 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable, make_reply
 
 from fedpartial.flare.common import SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE
-from fedpartial.flare.filters import (METRIC_RULES, SENT_METRICS, SiteResultPolicy, StatisticsPrivacyFilter,
-                                      filter_result, merge_metric_rules, release_metrics)
+from fedpartial.flare.filters import StatisticsPrivacyFilter
+from fedpartial.flare.result_policy import (METRIC_RULES, SENT_METRICS, SiteResultPolicy, filter_result,
+                                            merge_metric_rules, release_metrics)
 from fedpartial.metrics.segmentation import pooled_validation
 
 K = 5

@@ -128,7 +128,10 @@ def test_site_policy_allows_fedpartial_classes_and_no_byoc(tmp_path):
         assert written["class_allow_list"] == list(CLASS_ALLOW_LIST) and len(default["class_allow_list"]) == 88
         dropped = "site_log_streamer" if kit.startswith("site") else "log_receiver"
         assert [c for c in written["components"]] == [c for c in default["components"] if c["id"] != dropped]
-        same = {"class_allow_list", "components", "allow_log_streaming"}
+        # the job gate checks every job deployed here against the schema and the kit's limits
+        side = "server" if kit == "localhost" else "client"
+        assert written["app_validator"] == {"path": "fedpartial.flare.job_gate.JobGate", "args": {"side": side}}
+        same = {"class_allow_list", "components", "allow_log_streaming", "app_validator"}
         assert {k: v for k, v in written.items() if k not in same} == \
                {k: v for k, v in default.items() if k not in same}
         authz = json.loads((local / "authorization.json").read_text())

@@ -92,7 +92,7 @@ def _tags(event_dir: Path) -> set:
 
 @pytest.mark.slow
 def test_the_site_policy_holds_for_a_job_without_filters(system, tmp_path):
-    from fedpartial.flare.filters import load_recorded
+    from fedpartial.flare.recorder import load_recorded
     from fedpartial.flare.common import GLOBAL_STATS, SITE_STATS
 
     # the job asks for the local models (cross-site evaluation of site models) ...
@@ -101,7 +101,7 @@ def test_the_site_policy_holds_for_a_job_without_filters(system, tmp_path):
     client = json.loads(client_file.read_text())
     # ... and has no privacy filter of its own: only recorders, which run AFTER the site's scope filters
     record = tmp_path / "wire"
-    recorder = {"path": "fedpartial.flare.filters.MessageRecorder", "args": {"folder": str(record)}}
+    recorder = {"path": "fedpartial.flare.recorder.MessageRecorder", "args": {"folder": str(record)}}
     client["task_result_filters"] = [{"tasks": ["train", "submit_model", "validate"], "filters": [recorder]}]
     client["task_data_filters"] = [{"tasks": ["train"], "filters": [recorder]}]
     client_file.write_text(json.dumps(client))

@@ -10,7 +10,7 @@ from nvflare.apis.fl_context import FLContext
 from fedpartial.algorithms.thresholds import (DEFAULT_THRESHOLD, HISTOGRAM_KEY, RULE, best_f1_threshold,
                                               check_histograms, choose_thresholds, pool_histograms,
                                               probability_histograms, threshold_meta)
-from fedpartial.flare.filters import SiteResultPolicy, filter_result
+from fedpartial.flare.result_policy import SiteResultPolicy, filter_result
 
 
 def test_histograms_bin_annotated_entries_only():

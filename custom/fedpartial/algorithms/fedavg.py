@@ -41,7 +41,7 @@ LOSS_MODES = ("missing-negative", "partial", "full")
 WEIGHT_BY = ("labelled_rows", "all_rows")
 
 #: What the client rule returns in ``metrics`` (sent as ``site_metrics``) and when a site's result
-#: policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+#: policy releases each key (the rules: ``fedpartial.flare.result_policy.METRIC_RULE_NAMES``).
 SENT_METRICS = {"fedavg": {"train_loss": "scope", "train_steps": "scope"}}
 
 

@@ -84,7 +84,7 @@ SENT_STATISTICS = {
               "clip": {"mean_loss": [0, math.inf], "iou": [0, 1], "completeness": [1e-6, math.inf]}},
 }
 #: What the client rule returns in ``metrics`` (sent as ``site_metrics``) and when a site's result
-#: policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+#: policy releases each key (the rules: ``fedpartial.flare.result_policy.METRIC_RULE_NAMES``).
 #: The completeness estimate, IoU trend and correction flags describe the site's training images
 #: (as ``site_stats`` does, behind ``num_images``); pixel counts are counts.
 SENT_METRICS = {

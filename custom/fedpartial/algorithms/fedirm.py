@@ -137,7 +137,7 @@ SENT_STATISTICS = {
                           "clip": {"relation_matrix": [0, 1], "relation_counts": [0, math.inf]}},
 }
 #: What the client rule returns in ``metrics`` (sent as ``site_metrics``) and when a site's result
-#: policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+#: policy releases each key (the rules: ``fedpartial.flare.result_policy.METRIC_RULE_NAMES``).
 #: Labelled and unlabelled sites together. ``relation_classes_seen`` stays local: it would count
 #: the classes whose relation row the minimum-count rule withholds.
 SENT_METRICS = {

@@ -102,7 +102,7 @@ SENT_STATISTICS = {
                "clip": {"class_counts": [0, math.inf], "label_pos": [0, math.inf], "label_neg": [0, math.inf]}},
 }
 #: What the client rule returns in ``metrics`` (sent as ``site_metrics``) and when a site's result
-#: policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+#: policy releases each key (the rules: ``fedpartial.flare.result_policy.METRIC_RULE_NAMES``).
 #: Pseudo-label counts are over the (sample, class) entries of this round; the precision / recall
 #: diagnostics exist only with reference labels.
 SENT_METRICS = {

@@ -162,7 +162,7 @@ SENT_STATISTICS = {
     "fedmlp_warmup": {"keys": ["annotated_classes"], "signature": ["annotated_classes"], "exclusive": True},
 }
 #: What the client rule returns in ``metrics`` (sent as ``site_metrics``) and when a site's result
-#: policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+#: policy releases each key (the rules: ``fedpartial.flare.result_policy.METRIC_RULE_NAMES``).
 #: ``{c}`` stands for a class index. Tag counts are over the site's missing (sample, class) entries.
 SENT_METRICS = {
     "fedmlp": {"stage": "value", "global_prototypes_valid": "value", "train_loss": "scope", "loss_wpc": "scope",

@@ -30,7 +30,7 @@ from fedpartial.training.common import (DRAWS, ImageSource, batch_indices, check
                                         round_lr, round_seed, seed_everything, take_rows)
 
 #: What :class:`SegmentationSupervisedClient` returns in ``metrics`` (sent as ``site_metrics``) and
-#: when a site's result policy releases each key (the rules: ``fedpartial.flare.filters.METRIC_RULE_NAMES``).
+#: when a site's result policy releases each key (the rules: ``fedpartial.flare.result_policy.METRIC_RULE_NAMES``).
 SENT_METRICS = {"segmentation": {"train_loss": "scope", "train_iou": "scope", "train_steps": "scope"}}
 
 

@@ -8,7 +8,7 @@ histograms of its predicted probability (annotated positives, annotated negative
 bins on [0, 1]); the server adds them up over the sites and picks each class's threshold.
 
 * Site: :func:`probability_histograms` (what leaves, under the site policy's minimum-count guard,
-  ``fedpartial.flare.filters.guard_histograms``).
+  ``fedpartial.flare.result_policy.guard_histograms``).
 * Server: :func:`pool_histograms`, then :func:`choose_thresholds` (rule: :func:`best_f1_threshold`).
 * Model files: :func:`threshold_meta` -> ``meta["decision_thresholds"]`` =
   ``{"thresholds": {class: t}, "rule": RULE, "source": "<which validation, sites, images per class>"}``.

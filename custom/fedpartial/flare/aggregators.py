@@ -23,6 +23,7 @@ from fedpartial.algorithms.robust import WEIGHT_RULES, UpdateScreen, trim_count
 from fedpartial.algorithms.thresholds import HISTOGRAM_KEY, check_histograms, choose_thresholds, pool_histograms
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE, atomic_write_json,
                                      build_model_from_settings, jsonable, model_settings)
+from fedpartial.flare.site_config import floor, participant_config, site_rules
 from fedpartial.metrics.segmentation import pooled_validation
 
 METRICS_FILE = "metrics.json"
@@ -60,25 +61,13 @@ def check_weights(weights, reference: Dict[str, np.ndarray]) -> None:
             raise ValueError(f"parameter '{key}' holds NaN or Inf")
 
 
-#: a provisioned server's floor on the sites behind every aggregate (``min_sites_per_round`` in its
-#: ``local/fedpartial_site.json``): with one site the "global" model is that site's own model
-MIN_SITES_PER_ROUND = 2
-
-
 def server_min_sites(fl_ctx: FLContext) -> int:
     """The fewest sites an aggregate may come from: the server kit's ``min_sites_per_round``
-    (default :data:`MIN_SITES_PER_ROUND`) at a provisioned server, 1 elsewhere. The server decides
-    it, not the job: a job's ``deploy_map`` or ``min_clients`` could otherwise make the downloaded
-    global model one hospital's local model."""
-    from fedpartial.flare.site_config import load_site_config
-
-    config = load_site_config(fl_ctx.get_engine().get_workspace().get_root_dir())
-    if config is None:
-        return 1
-    value = config.get("min_sites_per_round", MIN_SITES_PER_ROUND)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"'{config['path']}': min_sites_per_round must be an integer >= 1, got {value!r}")
-    return value
+    (:data:`fedpartial.flare.site_config.FLOORS`, default 2) at a provisioned server, 1 elsewhere.
+    The server decides it, not the job: a job's ``deploy_map`` or ``min_clients`` could otherwise
+    make the downloaded global model one hospital's local model."""
+    config = participant_config(fl_ctx)
+    return 1 if config is None else max(1, site_rules(config)["min_sites_per_round"])
 
 
 def classifier_names(model: dict, rule: str) -> List[str]:
@@ -285,12 +274,19 @@ class RuleAggregator(Aggregator):
         """``global_stats`` without the summed statistics fewer than ``min_sites_for_shared_stats``
         sites contributed to (recorded in the round's report, logged once per key)."""
         summed = [k for k in getattr(self.rule, "summed_stats", ()) if k in (global_stats or {})]
-        if not summed or self.min_sites_for_shared_stats <= 1:
+        # the server's floor holds whatever the job asks: a job may only raise it
+        needed = floor(participant_config(fl_ctx), "min_sites_for_shared_stats", self.min_sites_for_shared_stats)
+        if needed != self.min_sites_for_shared_stats and "floor" not in self._warned_withheld:
+            self._warned_withheld.add("floor")
+            self.log_info(fl_ctx, f"aggregator: the job's min_sites_for_shared_stats={self.min_sites_for_shared_stats} "
+                                  f"is below this server's floor: {needed} applies ('min_sites_for_shared_stats' in "
+                                  f"its local/fedpartial_site.json)")
+        if not summed or needed <= 1:
             return global_stats
         out = dict(global_stats)
         for key in summed:
             sites = sorted(u.site for u in self.updates if u.num_samples > 0 and key in (u.stats or {}))
-            if len(sites) >= self.min_sites_for_shared_stats:
+            if len(sites) >= needed:
                 continue
             del out[key]
             ctx.report.setdefault("withheld_from_sites", []).append(key)
@@ -298,7 +294,7 @@ class RuleAggregator(Aggregator):
                 self._warned_withheld.add(key)
                 self.log_warning(fl_ctx, f"round {ctx.round}: summed statistic '{key}' is not sent back to the sites: "
                                          f"only {len(sites)} site(s) contributed ({', '.join(sites) or 'none'}), "
-                                         f"min_sites_for_shared_stats={self.min_sites_for_shared_stats}; with two, "
+                                         f"min_sites_for_shared_stats={needed}; with two, "
                                          "each site could subtract its own counts and read the other's")
         return out
 

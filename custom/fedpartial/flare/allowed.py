@@ -5,7 +5,7 @@ FLARE checks every component path of a job that carries no code (``app/custom``)
 a package prefix when it ends in ``.``). This list is what provisioning
 (:class:`fedpartial_tools.deploy.builders.SitePolicyBuilder`) writes there, in place of FLARE's
 default list: exact class paths only, so no module function, no test-only component (e.g.
-``fedpartial.flare.filters.MessageRecorder``, which writes messages to any folder a config names) and
+``fedpartial.flare.recorder.MessageRecorder``, which writes messages to any folder a config names) and
 no FLARE component the shipped jobs do not use (log streamers, peer-to-peer Swarm / Cyclic
 controllers, which hand a site's result to another site where no privacy filter applies).
 
@@ -21,10 +21,10 @@ FEDPARTIAL_COMPONENTS = (
     "fedpartial.flare.executors.FedPartialExecutor",
     "fedpartial.flare.filters.RestoreFullWeights",
     "fedpartial.flare.filters.SendWeightDiff",
-    "fedpartial.flare.filters.SiteResultPolicy",
     "fedpartial.flare.filters.StatisticsPrivacyFilter",
     "fedpartial.flare.persistor.FedPartialModelLocator",
     "fedpartial.flare.persistor.FedPartialPersistor",
+    "fedpartial.flare.result_policy.SiteResultPolicy",
     "fedpartial.flare.selector.PooledModelSelector",
     "fedpartial.flare.site_policy.FedEventGuard",
     "fedpartial.flare.site_policy.LocalModelGate",

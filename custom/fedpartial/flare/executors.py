@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -23,8 +24,8 @@ from fedpartial.data.types import SEGMENTATION
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_IMAGES_SEEN, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE,
                                      build_model_from_settings, model_settings, runtime_description,
                                      runtime_version_error)
-from fedpartial.flare.site_config import (MIN_COUNT, SITE_CONFIG, check_provisioned_job, confined,
-                                          load_site_config, offered_data_root)
+from fedpartial.flare.site_config import (SITE_CONFIG, check_data_file, check_limits, confined, load_site_config,
+                                          offered_data_root, site_rules)
 from fedpartial.training.common import (DRAWS, check_memory_format, load_state_numpy, place_model, select_device,
                                         state_dict_numpy)
 
@@ -220,6 +221,7 @@ class FedPartialExecutor(Executor):
         self.site = None
         self.stream_floor = 0
         self.rule = None
+        self.rules = {}
         self.model = None
         self.writer = None
         self.local_weights = None
@@ -253,14 +255,19 @@ class FedPartialExecutor(Executor):
             raise ValueError(wrong_runtime)
         # every check that can refuse the job comes before anything is read or written
         cache_dir = ""
+        self.rules = site_rules(site_config)
         # the analytics stream passes no result filter: a provisioned site streams a curve only
         # when at least min_count images stand behind it (its file's "min_count", default 5)
-        self.stream_floor = int(site_config.get("min_count", MIN_COUNT)) if site_config is not None else 0
+        self.stream_floor = self.rules["min_count"] if site_config is not None else 0
         if site_config is not None:
             data_root = offered_data_root(site_config, self.dataset, self.data_root, self.reference_file, where)
-            check_provisioned_job(site_config, self.data_file, self.settings, where)
+            check_data_file(self.data_file, where)
+            # the job gate checked the job's config at deployment; these are the arguments as built
+            own = [("client.executors", type(self).__name__, {"model": self.settings, "rule_args": self.rule_args})]
+            check_limits(SimpleNamespace(components=own, variables={}), self.rules, where, site_config["path"])
             cache_dir = os.path.join(workspace.get_root_dir(), "fedpartial_cache", self.dataset, self.site)
         else:
+            self.rules = {**self.rules, "max_rounds": float("inf")}
             data_root = self.data_root or os.environ.get(DATA_ROOT_ENV, "")
             self.log_warning(fl_ctx, f"{where} has no local/{SITE_CONFIG} in its kit: "
                                      f"development site, reading the job's data_root / ${DATA_ROOT_ENV} "
@@ -346,6 +353,11 @@ class FedPartialExecutor(Executor):
         dxo = from_shareable(shareable)
         round_num = int(shareable.get_header(AppConstants.CURRENT_ROUND, 0))
         num_rounds = int(shareable.get_header(AppConstants.NUM_ROUNDS, 1))
+        limit = self.rules.get("max_rounds", float("inf"))
+        if num_rounds > limit or round_num >= limit:
+            self.log_error(fl_ctx, f"site '{self.site}' refuses round {round_num} of {num_rounds}: beyond this site's "
+                                   f"limit of {limit} rounds ('max_rounds' in its local/{SITE_CONFIG})")
+            return make_reply(ReturnCode.EXECUTION_EXCEPTION)
         load_state_numpy(self.model, dxo.data)
         global_stats = dxo.get_meta_prop(GLOBAL_STATS) or {}
         started = time.time()

@@ -22,13 +22,11 @@ from fedpartial.algorithms.thresholds import threshold_meta
 from fedpartial.flare.aggregators import DECISION_THRESHOLDS, METRICS_FILE
 from fedpartial.flare.common import (GLOBAL_STATS, build_model_from_settings, model_file_meta, model_settings,
                                      runtime_description, runtime_version_error)
-from fedpartial.flare.site_config import confined, load_site_config
+from fedpartial.flare.site_config import PRETRAINED_DIR, RESUME_DIR, confined, load_site_config
 from fedpartial.training.common import state_dict_numpy
 
 GLOBAL_MODEL_FILE = "global_model.pt"
 BEST_MODEL_FILE = "best_global_model.pt"
-#: the folders of a provisioned server's kit a job may read weights from (by relative path)
-PRETRAINED_DIR, RESUME_DIR = "pretrained", "resume"
 SERVER_MODELS = {"SRV_global_model": GLOBAL_MODEL_FILE, "SRV_best_global_model": BEST_MODEL_FILE}
 
 
@@ -77,10 +75,14 @@ class FedPartialPersistor(ModelPersistor):
             content hash); a server whose installed fedpartial differs stops the job at its start, and
             a provisioned server (its kit holds ``local/fedpartial_site.json``) stops a job naming none.
 
-    At a provisioned server, ``pretrained`` and ``resume_from`` are relative paths without ``..``:
-    ``pretrained`` in the job's app folder or ``<server kit>/pretrained/``, ``resume_from`` in
-    ``<server kit>/resume/`` (where the operator copies a crashed job's run folder): a job reads no
-    other file there, another job's run folder included.
+    At a provisioned server, ``pretrained`` and ``resume_from`` are relative paths without ``..``
+    in the server kit's own folders, placed there by its operator: ``pretrained`` in
+    ``<server kit>/pretrained/``, ``resume_from`` in ``<server kit>/resume/`` (where the operator
+    copies a crashed job's run folder). The round-0 model is the consortium's, never a file the job
+    brings, and a job reads no other file there, another job's run folder included.
+
+    The model is built when it is first needed (the job's start), not when FLARE builds the
+    component: a provisioned server's checks come before anything is allocated.
 
     The model block's ``pretrained`` (a weights file on the server, see
     :func:`fedpartial.models.pretrained.load_pretrained`) sets the body of the round-0 global
@@ -93,11 +95,17 @@ class FedPartialPersistor(ModelPersistor):
         self.runtime_version = str(runtime_version or "")
         self.settings = model_settings(model or {})
         self.seed = int(seed)
-        torch.manual_seed(self.seed)
-        self.model = build_model_from_settings(self.settings)
+        self._model = None
         self.resume_from = str(resume_from or "")
         self.run_dir = None
         self._best_copied = False  # best_global_model.pt was copied this round: stamp its thresholds
+
+    @property
+    def model(self):
+        if self._model is None:
+            torch.manual_seed(self.seed)  # the same initial weights wherever and whenever it is built
+            self._model = build_model_from_settings(self.settings)
+        return self._model
 
     def _dir(self, fl_ctx: FLContext) -> str:
         if self.run_dir is None:
@@ -123,14 +131,14 @@ class FedPartialPersistor(ModelPersistor):
         return make_model_learnable(state_dict_numpy(self.model), {})
 
     def _pretrained_path(self, fl_ctx: FLContext) -> str:
-        """``model.pretrained`` -> an existing file. ``~`` is expanded; a relative path is looked
-        up in the job's app folder (``app_server/``, for a file shipped with the job), then in the
-        server's workspace root (the folder holding ``startup/``)."""
+        """``model.pretrained`` -> an existing file. A provisioned server reads it from its kit's
+        ``pretrained/`` only (never the job's app folder: the round-0 model every site validates is
+        the consortium's, not one the job brings). Elsewhere ``~`` is expanded and a relative path
+        is looked up in the job's app folder, then in the server's workspace root."""
         raw = str(self.settings["pretrained"])
         workspace = fl_ctx.get_engine().get_workspace()
-        if self._provisioned(fl_ctx):  # never the workspace root: other jobs' run folders live there
-            tried = [confined(workspace.get_app_dir(fl_ctx.get_job_id()), raw, "model.pretrained", "the server"),
-                     confined(os.path.join(workspace.get_root_dir(), PRETRAINED_DIR), raw, "model.pretrained",
+        if self._provisioned(fl_ctx):
+            tried = [confined(os.path.join(workspace.get_root_dir(), PRETRAINED_DIR), raw, "model.pretrained",
                               "the server")]
         elif os.path.isabs(os.path.expanduser(raw)):
             tried = [os.path.expanduser(raw)]

@@ -18,6 +18,13 @@ site file (``{site}.npz`` or ``{site}``) as ``data_file``, refuses a complete-la
 whatever its name, caps ``model.input_size`` (``max_input_size``, default 1024 px), and keeps the
 resized copy of a large site folder in its own workspace (``KIT/fedpartial_cache/``), never in the
 data folder it offers.
+
+**What a site allows** lives here, in one place: the datasets it offers, its privacy floors
+(:data:`FLOORS`: a job may only raise them) and its resource limits (:data:`LIMITS`: a job asking
+more is refused before anything is allocated), each a key of the file with a default that suits a
+hospital's CPU or GPU server. The server's kit holds the same file (no datasets; its floors and
+limits). What a job may set at all is :mod:`fedpartial.flare.job_schema`; what may leave a site is
+:mod:`fedpartial.flare.result_policy`.
 """
 from __future__ import annotations
 
@@ -93,35 +100,175 @@ def confined(base: str, relative: str, field: str, where: str) -> str:
 
 #: the file name patterns a job may give a provisioned site: its own site file or site folder
 SITE_FILE_PATTERNS = ("{site}.npz", "{site}")
-#: the fewest images behind a curve a provisioned site streams to the server ("min_count" in its
-#: file); the site's privacy.json applies its own min_count to task results
-MIN_COUNT = 5
-#: the largest image side a job may ask a provisioned site to resize to (``max_input_size`` in the
-#: site's file changes it): a huge size would fill the site's memory or disk
-MAX_INPUT_SIZE = 1024
+#: Privacy floors of a participant (keys of its file): a job may only make them stricter, the
+#: larger of the participant's and the job's value applies.
+FLOORS = {
+    # the fewest images behind any count, statistic or curve that leaves a site
+    "min_count": 5,
+    # the server: the fewest sites behind any published aggregate (one site's = its local model)
+    "min_sites_per_round": 2,
+    # the server: the fewest sites behind a summed statistic sent back to the sites (with two, each
+    # site subtracts its own from the sum and reads the other's)
+    "min_sites_for_shared_stats": 3,
+}
+#: Resource limits of a participant (keys of its file), checked on the job's config before anything
+#: is built; defaults for a hospital's server (16-64 GB of memory, one GPU or none).
+LIMITS = {
+    # parameters of the job's model (counted on torch's meta device): 50 M is 200 MB of float32
+    # weights, about 1 GB with gradients and optimiser state; DenseNet121 has 7 M, ResNet18 11 M
+    "max_model_parameters": 50_000_000,
+    "max_input_size": 1024,      # px a side of model.input_size (resized copies fill memory or disk)
+    "max_batch_size": 256,       # images per batch, training and prediction
+    "max_views": 8,              # augmented views / MixUp pairs / MC-dropout passes per image
+    "max_local_epochs": 20,      # local epochs per round
+    "max_local_steps": 10_000,   # local iterations per round
+    "max_rounds": 1000,          # rounds of a job
+    "max_loader_workers": 4,     # data loader processes
+}
+MIN_COUNT = FLOORS["min_count"]
+MAX_INPUT_SIZE = LIMITS["max_input_size"]
+#: the rule_args each limit covers (tests/test_job_schema.py keeps them in step with the schema)
+LIMITED_ARGS = {
+    "max_batch_size": ("batch_size", "eval_batch_size", "prediction_batch_size", "predict_batch_size"),
+    "max_views": ("num_views", "ude_pairs", "mc_passes"),
+    "max_local_epochs": ("local_epochs",),
+    "max_local_steps": ("local_iterations",),
+    "max_loader_workers": ("loader_workers",),
+}
 
 
-def check_provisioned_job(config: dict, data_file: str, model: dict, where: str) -> None:
-    """What else a provisioned site refuses: another file name than its own site file, and an
-    input size beyond its limit.
+def site_rules(config: Optional[dict]) -> dict:
+    """The participant's floors and limits: :data:`FLOORS` and :data:`LIMITS` with its file's values.
 
     Args:
-        config: from :func:`load_site_config`.
-        data_file: the job's ``data_file``.
-        model: the job's model block (``input_size``).
-        where: who refuses (e.g. ``site 'site-1'``).
+        config: from :func:`load_site_config` (None: a development site, the defaults).
 
     Raises:
-        ValueError: naming the field and what the site accepts.
+        ValueError: a floor or limit that is not a non-negative integer, naming the file and key.
+    """
+    out = {**FLOORS, **LIMITS}
+    for key in out:
+        value = (config or {}).get(key, out[key])
+        lowest = 0 if key in ("min_count", "min_sites_for_shared_stats", "max_loader_workers") else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+            raise ValueError(f"site configuration '{(config or {}).get('path', '?')}': {key} must be an integer "
+                             f">= {lowest}, got {value!r}")
+        out[key] = value
+    return out
+
+
+def participant_config(fl_ctx) -> Optional[dict]:
+    """The site configuration of the participant running ``fl_ctx`` (None: a development site, or
+    a context without a workspace, as in unit tests)."""
+    engine = fl_ctx.get_engine() if fl_ctx is not None else None
+    try:
+        root = engine.get_workspace().get_root_dir() if engine is not None else None
+    except Exception:  # no workspace: not a running participant
+        return None
+    return load_site_config(root) if isinstance(root, str) else None
+
+
+def floor(config: Optional[dict], key: str, job_value: int) -> int:
+    """The larger of the participant's floor ``key`` and the job's value (a development site: the
+    job's value)."""
+    if config is None:
+        return int(job_value)
+    return max(int(job_value), site_rules(config)[key])
+
+
+def parameter_count(model: dict) -> int:
+    """Parameters of the job's model block, built on torch's meta device (nothing is allocated)."""
+    import torch
+
+    from fedpartial.flare.common import build_model_from_settings, model_settings
+
+    with torch.device("meta"):
+        net = build_model_from_settings(model_settings(model))
+    return sum(p.numel() for p in net.parameters())
+
+
+#: the folders of a provisioned server's kit a job may read weights from (by relative path); the
+#: server's operator puts files there
+PRETRAINED_DIR, RESUME_DIR = "pretrained", "resume"
+
+
+def check_server_files(checked, workspace_root: str, where: str) -> None:
+    """A provisioned server starts a job only from weights its operator placed in its kit:
+    ``model.pretrained`` in ``pretrained/``, the persistor's ``resume_from`` in ``resume/``.
+
+    Raises:
+        ValueError: naming the argument, the value and the folder it must be in.
+    """
+    wanted = []
+    for _, path, args in checked.components:
+        if path.endswith(".FedPartialPersistor"):
+            model = args.get("model") if isinstance(args.get("model"), dict) else {}
+            wanted += [("model.pretrained", model.get("pretrained") or "", PRETRAINED_DIR),
+                       ("resume_from", args.get("resume_from") or "", RESUME_DIR)]
+    for field, value, folder in wanted:
+        if not value:
+            continue
+        base = os.path.join(workspace_root, folder)
+        target = confined(base, value, field, where)
+        if not (os.path.isfile(target) or (folder == RESUME_DIR and os.path.isdir(target))):
+            raise ValueError(f"{where} refuses the job: its '{field}' ({value!r}) is not in {base}; the server's "
+                             f"operator places the weights a job may start from there, a job cannot bring them")
+
+
+def check_limits(checked, rules: dict, where: str, source: str) -> None:
+    """Refuse a job asking more of this participant than its limits allow, before anything is built.
+
+    Args:
+        checked: the job's config as :func:`fedpartial.flare.job_schema.check_config` returns it.
+        rules: :func:`site_rules`.
+        where: who refuses (``site 'site-1'``, ``the server``).
+        source: the participant's file, for the message.
+
+    Raises:
+        ValueError: naming the component, argument, value and the limit's key.
+    """
+    def refuse(what: str, value, key: str, unit: str = ""):
+        raise ValueError(f"{where} refuses the job: {what} = {value}{unit} is beyond this participant's limit of "
+                         f"{rules[key]:,}{unit} ('{key}' in {source})")
+
+    models = [args["model"] for _, _, args in checked.components if isinstance(args.get("model"), dict)]
+    if isinstance(checked.variables.get("model"), dict):
+        models.append(checked.variables["model"])
+    seen = set()
+    for model in models:
+        size = list(model.get("input_size") or [0, 0])
+        if any(v > rules["max_input_size"] for v in size):
+            raise ValueError(f"{where} refuses the job: model.input_size {size} is beyond this site's limit of "
+                             f"{rules['max_input_size']} px a side ('max_input_size' in {source})")
+        key = repr(sorted((k, repr(v)) for k, v in model.items() if k in ("arch", "arch_args", "in_channels",
+                                                                             "class_names", "task")))
+        if key not in seen:
+            seen.add(key)
+            count = parameter_count(model)
+            if count > rules["max_model_parameters"]:
+                refuse(f"model {model['arch']} {model.get('arch_args', {})} ({len(model['class_names'])} classes): "
+                       f"parameters", f"{count:,}", "max_model_parameters")
+    for place, path, args in checked.components:
+        name = path.rpartition(".")[2]
+        for limit, names in LIMITED_ARGS.items():
+            for arg in names:
+                value = (args.get("rule_args") or {}).get(arg)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > rules[limit]:
+                    refuse(f"{name} rule_args.{arg}", value, limit)
+        rounds = args.get("num_rounds") if name == "ScatterAndGather" else None
+        if isinstance(rounds, int) and rounds > rules["max_rounds"]:
+            refuse(f"{name} num_rounds", rounds, "max_rounds")
+
+
+def check_data_file(data_file: str, where: str) -> None:
+    """A provisioned site reads only its own site file (or site folder) in the dataset a job names.
+
+    Raises:
+        ValueError: naming the job's ``data_file`` and the patterns the site accepts.
     """
     if data_file not in SITE_FILE_PATTERNS:
         raise ValueError(f"{where} refuses the job: its 'data_file' ({data_file!r}) is not one of "
                          f"{list(SITE_FILE_PATTERNS)}: a job reads the site's own file in the dataset it names")
-    limit = config.get("max_input_size", MAX_INPUT_SIZE)
-    size = [int(v) for v in (model.get("input_size") or [0, 0])]
-    if any(v < 0 or v > int(limit) for v in size):
-        raise ValueError(f"{where} refuses the job: model.input_size {size} is beyond this site's limit of "
-                         f"{limit} px a side ('max_input_size' in {config['path']})")
 
 
 def offered_data_root(config: dict, dataset: str, data_root: str, reference_file: str, where: str) -> str:

@@ -4,7 +4,7 @@ provisioning/privacy.json and docs/DEPLOYMENT.md "What leaves a site").
 * :class:`LocalModelGate` (a scope filter, in BOTH the task data and the task result chain): model
   weights leave the site only as the answer to a task that brought a model (a training round's
   global model); any other result holding weights is withheld unless the site shares its local model.
-* :class:`fedpartial.flare.filters.SiteResultPolicy` (a scope result filter): every key of every
+* :class:`fedpartial.flare.result_policy.SiteResultPolicy` (a scope result filter): every key of every
   result is on an allow-list, and counts from fewer than ``min_count`` samples are withheld.
 * :class:`FedEventGuard` (a privacy.json component): only allowed federated events leave the site,
   and of the analytics events (TensorBoard curves) only scalars whose tag is on the site's list.
@@ -25,7 +25,7 @@ locally trained model (cross-site evaluation of site models) adds a scope of its
        {"path": "fedpartial.flare.site_policy.LocalModelGate", "args": {"share_local_model": true}}],
      "task_result_filters": [
        {"path": "fedpartial.flare.site_policy.LocalModelGate", "args": {"share_local_model": true}},
-       {"path": "fedpartial.flare.filters.SiteResultPolicy", "args": {"min_count": 5}}]}
+       {"path": "fedpartial.flare.result_policy.SiteResultPolicy", "args": {"min_count": 5}}]}
 """
 from __future__ import annotations
 

@@ -301,7 +301,8 @@ def status(kit: str) -> dict:
     """What an operator checks first: running or not, the runtime, the datasets offered, the
     certificate's days left, the job folders and their disk use, the last line of the log."""
     from fedpartial.flare.common import runtime_identity
-    from fedpartial.flare.site_config import load_site_config
+    from fedpartial.flare.job_gate import gate_error
+    from fedpartial.flare.site_config import load_site_config, site_rules
     from fedpartial.site.certificates import expiry_report
 
     kit = os.path.abspath(kit)
@@ -337,7 +338,8 @@ def preflight(kit: str, warn_days: float = 30, timeout: float = 5.0) -> List[dic
     """
     from fedpartial.flare.allowed import CLASS_ALLOW_LIST
     from fedpartial.flare.common import runtime_identity
-    from fedpartial.flare.site_config import load_site_config
+    from fedpartial.flare.job_gate import gate_error
+    from fedpartial.flare.site_config import load_site_config, site_rules
     from fedpartial.site.certificates import expiry_report
 
     kit = os.path.abspath(kit)
@@ -377,6 +379,9 @@ def preflight(kit: str, warn_days: float = 30, timeout: float = 5.0) -> List[dic
         extra = sorted(set(allowed) - set(CLASS_ALLOW_LIST))
         check("allow-list", not extra and resources.get("class_list_enforcement_mode", "enforce") == "enforce",
               f"{len(allowed)} exact classes" + (f"; not the runtime's: {extra}" if extra else ""))
+        gate = gate_error(kit, "this kit")
+        check("job gate", not gate, gate or "every job is checked against the schema and this kit's limits when "
+                                          "it is deployed (app_validator JobGate)")
         if kind == "site":
             streaming = resources.get("allow_log_streaming", True)
             check("logs stay here", streaming is False, "allow_log_streaming: false" if streaming is False else
@@ -392,6 +397,9 @@ def preflight(kit: str, warn_days: float = 30, timeout: float = 5.0) -> List[dic
         config = load_site_config(kit)
         check("site configuration", config is not None, config["path"] if config else
               "no local/fedpartial_site.json: this kit would run as a development site (job paths accepted)")
+        if config is not None:
+            rules = site_rules(config)
+            check("floors and limits", True, ", ".join(f"{k} {v}" for k, v in rules.items()))
     except ValueError as e:
         check("site configuration", False, str(e))
         config = None

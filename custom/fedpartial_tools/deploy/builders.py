@@ -5,8 +5,10 @@ from the *installed* fedpartial runtime without trusting code that travels with 
 
 * ``local/resources.json``: FLARE's ``resources.json.default`` with its ``class_allow_list`` (the
   component allow-list FLARE enforces for jobs without code) REPLACED by the exact class paths of
-  :data:`fedpartial.flare.allowed.CLASS_ALLOW_LIST`; live log streaming off: a site gets
-  ``allow_log_streaming: false`` and no ``SiteLogStreamer``, the server no ``JobLogReceiver``;
+  :data:`fedpartial.flare.allowed.CLASS_ALLOW_LIST`; the job gate
+  (:class:`fedpartial.flare.job_gate.JobGate`) as its ``app_validator``, which checks every job
+  against the schema and the participant's limits when it is deployed; live log streaming off: a
+  site gets ``allow_log_streaming: false`` and no ``SiteLogStreamer``, the server no ``JobLogReceiver``;
 * ``local/authorization.json``: FLARE's ``authorization.json.default`` with the ``byoc`` right
   taken from every role (unless ``allow_byoc``), so a job that carries code in ``app/custom`` is
   refused, and shell commands (``ls``, ``cat``, ``grep`` ...) and a job's error lines
@@ -14,8 +16,9 @@ from the *installed* fedpartial runtime without trusting code that travels with 
 * ``local/privacy.json`` on every site (optional): a copy of the consortium's privacy policy;
 * ``local/fedpartial_site.json`` in every kit (:mod:`fedpartial.flare.site_config`): the datasets a
   site offers to jobs (``datasets`` of the builder, or a site's own ``datasets:`` entry in
-  ``project.yml``; empty = none yet, the site adds them); its presence makes the kit a provisioned
-  participant, which refuses data paths and jobs naming no runtime version.
+  ``project.yml``; empty = none yet, the site adds them), and the participant's privacy floors and
+  resource limits written out with their defaults for it to edit; its presence makes the kit a
+  provisioned participant, which refuses data paths and jobs naming no runtime version.
 
 FLARE reads ``resources.json`` / ``authorization.json`` before their ``.default`` files, which
 stay as FLARE wrote them (a site can diff its policy against FLARE's defaults). The builder
@@ -43,6 +46,7 @@ OWN_SITE = "o:site"
 CLASS_ALLOW_LIST = "class_allow_list"
 ENFORCEMENT_MODE = "class_list_enforcement_mode"
 ALLOW_LOG_STREAMING = "allow_log_streaming"
+APP_VALIDATOR = "app_validator"
 # the site component that streams job logs to the server, the server one that stores them, and the
 # job component the site's streamer adds to every job (it must then be on the site's allow-list)
 SITE_LOG_STREAMER = "nvflare.app_common.logging.site_log_streamer.SiteLogStreamer"
@@ -244,14 +248,16 @@ class SitePolicyBuilder(Builder):
         return dict(value)
 
     def site_config(self, participant, site: bool) -> dict:
-        """The ``fedpartial_site.json`` of a site (its datasets) or of the server (none)."""
-        from fedpartial.flare.site_config import FORMAT_VERSION
+        """The ``fedpartial_site.json`` of a site (its datasets) or of the server (none), with the
+        participant's floors and limits at their defaults (the server's floors on sites)."""
+        from fedpartial.flare.site_config import FLOORS, FORMAT_VERSION, LIMITS
 
         datasets = {}
         if site:
             own = participant.get_prop("datasets")
             datasets = self.datasets if own is None else self._datasets(own, f"'datasets' of {participant.name}")
-        return {"format_version": FORMAT_VERSION, "datasets": datasets}
+        floors = {k: v for k, v in FLOORS.items() if site == (k == "min_count")}
+        return {"format_version": FORMAT_VERSION, "datasets": datasets, **floors, **LIMITS}
 
     def allow_list(self, site: bool) -> list:
         """The ``class_allow_list`` written into a site's (``site``) or the server's kit."""
@@ -262,7 +268,10 @@ class SitePolicyBuilder(Builder):
 
     def resources(self, default: dict, site: bool) -> dict:
         """The ``resources.json`` of a site (``site``) or the server from FLARE's ``.default``."""
+        from fedpartial.flare.job_gate import GATE_PATH
+
         out = with_class_allow_list(default, self.allow_list(site))
+        out[APP_VALIDATOR] = {"path": GATE_PATH, "args": {"side": "client" if site else "server"}}
         if self.allow_log_streaming:
             return out
         if site:

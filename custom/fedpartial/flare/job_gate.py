@@ -1,0 +1,133 @@
+"""The job gate: each provisioned participant checks a job when FLARE deploys it, before anything
+of it is built or run.
+
+FLARE calls the ``app_validator`` of a kit's ``local/resources.json`` on every app it deploys to
+that participant (the server's app on the server, the client app at each site), after unzipping it
+and before the job's process starts; an error refuses the deployment (the job ends
+``FINISHED:FAILED_TO_RUN``, the server's log names the site and the reason). Provisioning
+(``SitePolicyBuilder``) writes :class:`JobGate` there in every kit. It reads the app's raw configs,
+as the job ships them, and refuses:
+
+* anything outside the schema or filled in from the participant's world
+  (:func:`fedpartial.flare.job_schema.check_config`): the server also checks the client config
+  when the app carries one, so most jobs are refused before any site receives them;
+* a config format other than JSON (FLARE also reads ``.conf`` / ``.yml`` configs, with their own
+  substitutions);
+* at this participant, a job asking more than its limits (:func:`fedpartial.flare.site_config.check_limits`);
+* at a provisioned server, a round-0 model (``model.pretrained``, ``resume_from``) that is not in
+  the server kit's own folders (:func:`fedpartial.flare.site_config.check_server_files`).
+
+The message names the participant, file, component, argument and the value as the job wrote it,
+never what FLARE would have made of it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Dict, Optional, Tuple
+
+from nvflare.apis.app_validation import AppValidator
+
+from fedpartial.flare.job_schema import CLIENT, CONFIG_FILES, SERVER, check_config
+from fedpartial.flare.site_config import (check_limits, check_server_files, load_site_config, site_config_path,
+                                          site_rules)
+
+GATE_PATH = "fedpartial.flare.job_gate.JobGate"
+APP_PREFIX = "app_"
+#: what FLARE reads a job config from besides JSON (fuel.utils.config.ConfigFormat)
+OTHER_FORMATS = (".conf", ".yml", ".yaml", ".json.default", ".conf.default", ".yml.default", ".yaml.default")
+
+
+def check_app(app_folder: str, side: str, workspace_root: str, where: str) -> Dict[str, object]:
+    """Check one deployed app at one participant.
+
+    Args:
+        app_folder: the app as deployed (``<workspace>/<job_id>/app_<name>``), holding ``config/``.
+        side: ``server`` or ``client``: which participant checks it.
+        workspace_root: the participant's kit (for ``local/fedpartial_site.json``).
+        where: who checks, for messages (``the server``, ``site 'site-1'``).
+
+    Returns:
+        ``{side: Checked}`` of each config checked.
+
+    Raises:
+        ValueError: why the participant refuses the job.
+    """
+    folder = os.path.join(app_folder, "config")
+    byoc = os.path.isdir(os.path.join(app_folder, "custom"))
+    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    other = [n for n in names if n.startswith("config_fed_") and n.endswith(OTHER_FORMATS)]
+    if other:
+        raise ValueError(f"{where} refuses the job: its app holds {other}; a job's configs are JSON only "
+                         f"({', '.join(CONFIG_FILES.values())})")
+    sides = [side] + ([CLIENT] if side == SERVER else [])
+    config = load_site_config(workspace_root)
+    rules = site_rules(config)
+    source = config["path"] if config else site_config_path(workspace_root) + " (defaults)"
+    out = {}
+    for s in sides:
+        path = os.path.join(folder, CONFIG_FILES[s])
+        if not os.path.isfile(path):
+            if s == side:
+                raise ValueError(f"{where} refuses the job: its app has no {CONFIG_FILES[s]}")
+            continue
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{where} refuses the job: {CONFIG_FILES[s]} cannot be read: {e}") from None
+        try:
+            out[s] = check_config(raw, s, byoc=byoc)
+        except ValueError as e:
+            raise ValueError(f"{where} refuses the job: {e}") from None
+    check_limits(out[side], rules, where, source)
+    if side == SERVER and config is not None:
+        check_server_files(out[side], workspace_root, where)
+    return out
+
+
+class JobGate(AppValidator):
+    """FLARE ``app_validator`` of a provisioned kit (``local/resources.json``): :func:`check_app`
+    on every app deployed here.
+
+    Args:
+        side: ``server`` or ``client``; "" = from the kit (a server's holds ``startup/fed_server.json``).
+    """
+
+    def __init__(self, side: str = ""):
+        super().__init__()
+        if side not in ("", SERVER, CLIENT):
+            raise ValueError(f"JobGate side must be '{SERVER}' or '{CLIENT}', got {side!r}")
+        self.side = side
+        self.logger = logging.getLogger(type(self).__name__)
+
+    def validate(self, app_folder: str) -> Tuple[str, dict]:
+        app_folder = os.path.abspath(app_folder)
+        root = os.path.dirname(os.path.dirname(app_folder))  # <kit>/<job_id>/app_<name>
+        side = self.side or (SERVER if os.path.isfile(os.path.join(root, "startup", "fed_server.json")) else CLIENT)
+        name = os.path.basename(app_folder)
+        name = name[len(APP_PREFIX):] if name.startswith(APP_PREFIX) else name
+        where = "the server" if side == SERVER else f"site '{name}'"
+        try:
+            check_app(app_folder, side, root, where)
+        except ValueError as e:
+            self.logger.error(str(e))
+            return str(e), {}
+        self.logger.info(f"{where}: job app {os.path.basename(os.path.dirname(app_folder))} passed the job gate")
+        return "", {}
+
+
+def gate_error(workspace_root: str, where: str) -> Optional[str]:
+    """Why a provisioned participant's kit cannot be trusted to have checked its jobs ("" = its
+    ``local/resources.json`` names :class:`JobGate` as ``app_validator``)."""
+    path = os.path.join(workspace_root, "local", "resources.json")
+    try:
+        with open(path) as f:
+            validator = (json.load(f).get("app_validator") or {}).get("path")
+    except (OSError, ValueError, AttributeError) as e:
+        return f"{where}: its kit's {path} cannot be read ({e})"
+    if validator != GATE_PATH:
+        return (f"{where}: its kit's {path} names no app_validator {GATE_PATH} (has {validator!r}), so jobs "
+                f"are not checked before they are deployed; provision the kit with SitePolicyBuilder")
+    return ""

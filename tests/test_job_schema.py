@@ -1,0 +1,374 @@
+"""A job is typed data (fedpartial.flare.job_schema), checked at deployment by each participant's
+job gate (fedpartial.flare.job_gate) against its own limits and floors (fedpartial.flare.site_config).
+
+Without a running system: every job a user can make passes; each config-level attack of the
+red-team suite is refused by the gate, naming the file, component, argument and the value as the
+job wrote it; the schema stays in step with the constructors it describes; floors hold whatever a
+job asks. tests/test_red_team.py submits the same attacks to a provisioned system.
+"""
+import copy
+import inspect
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedpartial.algorithms import registry
+from fedpartial.flare import job_schema
+from fedpartial.flare.allowed import CLASS_ALLOW_LIST
+from fedpartial.flare.job_gate import JobGate, check_app, gate_error
+from fedpartial.flare.job_schema import COMPONENTS, JobRefused, check_config
+from fedpartial.flare.site_config import FLOORS, LIMITED_ARGS, LIMITS, check_limits, site_rules
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET = "{$SECRET}"
+
+
+def _configs(job: Path) -> dict:
+    return {side: json.loads((job / "app" / "config" / f"config_fed_{side}.json").read_text())
+            for side in ("server", "client")}
+
+
+@pytest.fixture(scope="module")
+def every_job(tmp_path_factory):
+    """Every job folder a user can make: each recipe's every profile, the shipped jobs/, the privacy
+    tool's filter variant, and a job packaged for installed-runtime sites."""
+    from test_kit_policy import _exported_jobs
+    from fedpartial_tools.jobs.packaging import package_job
+
+    root = tmp_path_factory.mktemp("every_job")
+    jobs = [Path(j) for j in _exported_jobs(root)]
+    jobs.append(Path(package_job(str(REPO / "jobs" / "fedlsm"), str(root / "installed"), with_code=False,
+                                 dataset="demo")))
+    return jobs
+
+
+def test_every_job_and_recipe_profile_passes_the_schema_and_the_default_limits(every_job):
+    from fedpartial_tools.jobs.recipes import RECIPES
+
+    assert len(every_job) >= sum(len(cls.PROFILES) for cls in RECIPES.values()) + 9
+    rules = site_rules(None)
+    for job in every_job:
+        for side, config in _configs(job).items():
+            checked = check_config(config, side)
+            check_limits(checked, rules, f"{job.name} {side}", "defaults")
+
+
+def test_the_schema_names_exactly_the_allow_list_and_each_constructors_arguments():
+    import importlib
+
+    assert set(COMPONENTS) == set(CLASS_ALLOW_LIST)
+    for path, component in COMPONENTS.items():
+        module, _, name = path.rpartition(".")
+        params = inspect.signature(getattr(importlib.import_module(module), name).__init__).parameters
+        own = {p for p, v in params.items() if p != "self" and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)}
+        if path.endswith("PooledModelSelector"):  # key_metric + IntimeModelSelector's through **kwargs
+            from nvflare.app_common.widgets.intime_model_selector import IntimeModelSelector
+            own |= set(inspect.signature(IntimeModelSelector.__init__).parameters) - {"self"}
+        assert set(component.args) == own, (path, set(component.args) ^ own)
+        for arg, spec in component.args.items():  # every default is a value a job may write
+            default = params[arg].default if arg in params else None
+            if default is not inspect.Parameter.empty and not isinstance(spec, (job_schema.ByKey,
+                                                                                job_schema.ModelBlock)):
+                value = list(default) if isinstance(default, tuple) else default
+                assert spec.why(value) in ("", "must be a list", "must be a dict") or value is None, (path, arg)
+
+
+@pytest.mark.parametrize("side", ["client", "server"])
+def test_rule_args_are_each_registered_rules_constructor_arguments(side):
+    table = job_schema.CLIENT_RULE_ARGS if side == "client" else job_schema.SERVER_RULE_ARGS
+    names = registry.CLIENT_RULES if side == "client" else registry.SERVER_RULES
+    assert set(table) == set(names)
+    for name, args in table.items():
+        params = inspect.signature(registry.rule_class(side, name).__init__).parameters
+        own = {p for p, v in params.items() if p != "self" and v.kind not in (v.VAR_KEYWORD, v.VAR_POSITIONAL)}
+        assert set(args) == own, (name, set(args) ^ own)
+        for arg, spec in args.items():
+            default = params[arg].default
+            value = list(default) if isinstance(default, tuple) else default
+            assert spec.why(value) == "", (name, arg, value, spec.why(value))
+
+
+def test_every_limited_argument_is_in_the_schema_and_every_batch_or_view_argument_is_limited():
+    declared = {arg for table in job_schema.CLIENT_RULE_ARGS.values() for arg in table}
+    limited = {arg for names in LIMITED_ARGS.values() for arg in names}
+    assert limited <= declared
+    assert {a for a in declared if a.endswith("batch_size") or a in ("num_views", "ude_pairs", "mc_passes")} <= limited
+
+
+# ---- attacks on the raw config ----------------------------------------------------------------
+def _executor(c):
+    return c["executors"][0]["executor"]["args"]
+
+
+def _component(c, cid):
+    return next(x for x in c["components"] if x["id"] == cid)["args"]
+
+
+def _secret_pairs(c):
+    """rule_args.local_iterations from two characters of the site's $SECRET (the issue's attack)."""
+    _executor(c)["rule_args"]["local_iterations"] = "{{it_{$SECRET[0]}{$SECRET[1]}}}"
+    for a in "ab":
+        for b in "ab":
+            c[f"it_{a}{b}"] = 10 + ord(a) + ord(b)
+
+
+def _per_site_gamma(c):
+    c["gamma_site-1"], c["gamma_site-2"] = 0, 1e-30
+    c["task_result_filters"][0]["filters"].append({
+        "path": "nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",
+        "args": {"percentile": 100, "gamma": "{{gamma_{SITE_NAME}}}"}})
+
+
+ATTACKS = [  # (name, side, change, what the refusal must name)
+    ("env_in_rule_args", "client", _secret_pairs, "argument 'rule_args.local_iterations' holds "
+                                                  "'{{it_{$SECRET[0]}{$SECRET[1]}}}'"),
+    ("env_in_class_names", "server", lambda c: c["model"]["class_names"].__setitem__(0, SECRET),
+     "top-level 'model.class_names[0]' holds '{$SECRET}'"),
+    ("env_in_resume_from", "server", lambda c: _component(c, "persistor").__setitem__("resume_from", SECRET),
+     "component 'persistor' (fedpartial.flare.persistor.FedPartialPersistor), argument 'resume_from' holds "
+     "'{$SECRET}'"),
+    ("secret_ref", "client", lambda c: _executor(c).__setitem__("key_metric", "${secret:API_KEY}"),
+     "argument 'key_metric' holds '${secret:API_KEY}'"),
+    ("site_name_variables", "client", _per_site_gamma, "argument 'gamma' holds '{{gamma_{SITE_NAME}}}'"),
+    ("per_site_variables", "client", lambda c: c.update({"seed_site-1": 1, "seed_site-2": 2}),
+     "top-level key 'seed_site-1' is not one a job may set"),
+    ("site_name_in_value", "client", lambda c: _executor(c).__setitem__("seed", "{SITE_NAME}"),
+     "argument 'seed' holds '{SITE_NAME}'"),
+    ("workspace_in_state_dir", "client", lambda c: _executor(c).__setitem__("state_dir", "{WORKSPACE}/local"),
+     "argument 'state_dir' holds '{WORKSPACE}/local'"),
+    ("unknown_argument", "client", lambda c: _executor(c)["rule_args"].__setitem__("args", ["sh", "-c", "id"]),
+     "argument 'rule_args' of rule 'fedlsm' has 'args', which is not one of"),
+    ("nested_component", "server", lambda c: _component(c, "aggregator")["rule_args"].__setitem__(
+        "use_awpa", {"path": "subprocess.Popen", "args": {"args": ["id"]}}), "'use_awpa'"),
+    ("component_by_name", "server", lambda c: c["components"].append({"id": "x", "name": "ScatterAndGather"}),
+     "must name its class in 'path'"),
+    ("fixed_argument", "server", lambda c: _component(c, "tb_receiver").__setitem__("tb_folder", "../../x"),
+     "argument 'tb_folder' = '../../x' is fixed to 'tb_events'"),
+    ("monai_weights", "server", lambda c: c["model"].update(arch="resnet18", arch_args={"pretrained": True}),
+     "'arch_args' of resnet18 has 'pretrained'"),
+    ("width_beyond_the_schema", "client", lambda c: c["model"]["arch_args"].__setitem__("width", 10 ** 6),
+     "'width' (1000000) must be in [1, 65536]"),
+]
+
+
+@pytest.mark.parametrize("name, side, change, message", ATTACKS, ids=[a[0] for a in ATTACKS])
+def test_config_attacks_are_refused_naming_component_argument_and_raw_value(name, side, change, message):
+    config = copy.deepcopy(_configs(REPO / "jobs" / "fedlsm")[side])
+    change(config)
+    with pytest.raises(JobRefused) as err:
+        check_config(config, side)
+    assert str(err.value).startswith(f"config_fed_{side}.json: "), err.value
+    assert message in str(err.value), err.value
+    assert "not-the-secret" not in str(err.value)
+
+
+# ---- the gate at deployment: a participant's kit and the app FLARE unzipped -------------------------
+def _kit(tmp_path: Path, server: bool, **file) -> Path:
+    kit = tmp_path / ("server_kit" if server else "site_kit")
+    (kit / "local").mkdir(parents=True)
+    (kit / "startup").mkdir()
+    if server:
+        (kit / "startup" / "fed_server.json").write_text("{}")
+    (kit / "local" / "fedpartial_site.json").write_text(json.dumps({"format_version": 1, "datasets": {}, **file}))
+    return kit
+
+
+def _deploy(kit: Path, job: Path, name: str) -> Path:
+    app = kit / "job-1" / f"app_{name}"
+    if app.parent.exists():
+        shutil.rmtree(app.parent)
+    shutil.copytree(job / "app", app)
+    return app
+
+
+def _job(tmp_path: Path, overrides=(), job="fedavg") -> Path:
+    from fedpartial_tools.jobs.packaging import package_job
+
+    out = tmp_path / f"job_{len(list(tmp_path.glob('job_*')))}"
+    return Path(package_job(str(REPO / "jobs" / job), str(out), list(overrides), with_code=False, dataset="demo"))
+
+
+def _edit(job: Path, side: str, change) -> Path:
+    path = job / "app" / "config" / f"config_fed_{side}.json"
+    config = json.loads(path.read_text())
+    change(config)
+    path.write_text(json.dumps(config))
+    return job
+
+
+def test_the_gate_passes_a_packaged_job_and_refuses_an_attack_before_the_job_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("SECRET", "not-the-secret")
+    server, site = _kit(tmp_path, True), _kit(tmp_path, False)
+    job = _job(tmp_path)
+    assert JobGate().validate(str(_deploy(server, job, "server"))) == ("", {})
+    assert JobGate("client").validate(str(_deploy(site, job, "site-1"))) == ("", {})
+    _edit(job, "client", _secret_pairs)
+    err, _ = JobGate().validate(str(_deploy(server, job, "server")))  # the server sees the client config too
+    assert err.startswith("the server refuses the job: config_fed_client.json: ") and "$SECRET[0]" in err, err
+    err, _ = JobGate().validate(str(_deploy(site, job, "site-1")))
+    assert err.startswith("site 'site-1' refuses the job: config_fed_client.json: "), err
+    assert "not-the-secret" not in err
+
+
+def test_the_gate_refuses_other_config_formats(tmp_path):
+    site = _kit(tmp_path, False)
+    app = _deploy(site, _job(tmp_path), "site-1")
+    (app / "config" / "config_fed_client.conf").write_text('x = ${?SECRET}')
+    err, _ = JobGate().validate(str(app))
+    assert "its app holds ['config_fed_client.conf']; a job's configs are JSON only" in err, err
+
+
+LIMIT_ATTACKS = [  # (overrides, side, the limit named, message part)
+    (["model.arch_args.width=20000"], "server", "max_model_parameters", "parameters = "),
+    (["model.arch_args.width=20000"], "client", "max_model_parameters", "parameters = "),
+    (["rule_args.batch_size=100000"], "client", "max_batch_size", "rule_args.batch_size = 100000"),
+    (["rule_args.num_views=1000"], "client", "max_views", "rule_args.num_views = 1000"),
+    (["rule_args.loader_workers=64"], "client", "max_loader_workers", "rule_args.loader_workers = 64"),
+    (["rule_args.local_epochs=5000"], "client", "max_local_epochs", "rule_args.local_epochs = 5000"),
+    (["rule_args.local_iterations=10000000"], "client", "max_local_steps", "rule_args.local_iterations = 10000000"),
+    (["num_rounds=100000"], "server", "max_rounds", "ScatterAndGather num_rounds = 100000"),
+]
+
+
+@pytest.mark.parametrize("overrides, side, limit, message", LIMIT_ATTACKS,
+                         ids=[f"{a[2]}-{a[1]}" for a in LIMIT_ATTACKS])
+def test_a_job_beyond_a_participants_limits_is_refused_before_anything_is_built(tmp_path, monkeypatch, overrides,
+                                                                               side, limit, message):
+    import torch
+
+    from fedpartial.flare import common
+
+    built, real = [], common.build_model_from_settings
+    monkeypatch.setattr(common, "build_model_from_settings", lambda s: built.append(torch.get_default_device().type)
+                        or real(s))
+    kit = _kit(tmp_path, side == "server")
+    app = _deploy(kit, _job(tmp_path, overrides), "server" if side == "server" else "site-1")
+    err, _ = JobGate(side).validate(str(app))
+    assert message in err and f"('{limit}' in {kit / 'local' / 'fedpartial_site.json'})" in err, err
+    assert set(built) <= {"meta"}, built  # counted on the meta device: nothing allocated
+    # the participant's file decides: raised there, the same job passes
+    (kit / "local" / "fedpartial_site.json").write_text(json.dumps({"format_version": 1, "datasets": {},
+                                                                   limit: 10 ** 12}))
+    assert JobGate(side).validate(str(app)) == ("", {})
+
+
+def test_the_round0_model_comes_from_the_server_kit_never_the_jobs_app_folder(tmp_path):
+    server = _kit(tmp_path, True)
+    job = _job(tmp_path, ['model.pretrained="crafted.pt"'])
+    (job / "app" / "crafted.pt").write_bytes(b"weights the job brings")
+    app = _deploy(server, job, "server")
+    err, _ = JobGate().validate(str(app))
+    assert ("the server refuses the job: its 'model.pretrained' ('crafted.pt') is not in "
+            f"{server / 'pretrained'}; the server's operator places the weights") in err, err
+    (server / "pretrained").mkdir()
+    (server / "pretrained" / "crafted.pt").write_bytes(b"the operator's file")
+    assert JobGate().validate(str(app)) == ("", {})
+    err, _ = JobGate().validate(str(_deploy(server, _job(tmp_path, ['server.resume_from="run_7"']), "server")))
+    assert f"its 'resume_from' ('run_7') is not in {server / 'resume'}" in err, err
+
+
+def test_a_kit_names_the_gate_or_says_so(tmp_path):
+    kit = _kit(tmp_path, False)
+    assert "cannot be read" in gate_error(str(kit), "site 'site-1'")
+    (kit / "local" / "resources.json").write_text(json.dumps({"app_validator": {"path": "other.Validator"}}))
+    assert "names no app_validator fedpartial.flare.job_gate.JobGate (has 'other.Validator')" in \
+        gate_error(str(kit), "site 'site-1'")
+    (kit / "local" / "resources.json").write_text(json.dumps({"app_validator": {"path": job_schema.__name__.replace(
+        "job_schema", "job_gate.JobGate")}}))
+    assert gate_error(str(kit), "site 'site-1'") == ""
+
+
+def test_check_app_reports_both_configs_at_the_server(tmp_path):
+    server = _kit(tmp_path, True)
+    job = _job(tmp_path)
+    checked = check_app(str(_deploy(server, job, "server")), "server", str(server), "the server")
+    assert set(checked) == {"server", "client"}
+    rounds = _configs(job)["server"]["num_rounds"]  # "{num_rounds}" filled in as FLARE will
+    assert checked["server"].args_of("ScatterAndGather")[0]["num_rounds"] == rounds
+
+
+# ---- floors: a job may only make them stricter -----------------------------------------------------
+def _participant(kit: Path):
+    from unittest import mock
+
+    from nvflare.apis.fl_context import FLContext
+
+    fl_ctx = FLContext()
+    engine = mock.MagicMock()
+    engine.get_workspace.return_value.get_root_dir.return_value = str(kit)
+    fl_ctx.set_prop("__engine__", engine, private=True, sticky=False)
+    return fl_ctx
+
+
+def test_a_sites_min_count_holds_whatever_the_jobs_filter_asks(tmp_path):
+    from nvflare.apis.dxo import DXO, DataKind
+
+    from fedpartial.flare.common import SITE_STATS
+    from fedpartial.flare.filters import StatisticsPrivacyFilter
+
+    stats = {"class_counts": np.array([3.0, 50.0]), "label_pos": np.array([3.0, 20.0]),
+             "label_neg": np.array([0.0, 30.0]), "annotated_classes": np.array([1.0, 1.0])}
+    site = _kit(tmp_path, False)  # min_count 5 by default
+    for fl_ctx, expected in ((_participant(site), [0.0, 50.0]), (None, [3.0, 50.0])):  # None: development site
+        dxo = DXO(DataKind.WEIGHTS, data={"w": np.zeros(1)}, meta={SITE_STATS: dict(stats)})
+        out = StatisticsPrivacyFilter(preset="fedlsm", min_count=0).process_dxo(dxo, None, fl_ctx)
+        assert list(out.get_meta_prop(SITE_STATS)["class_counts"]) == expected
+
+
+def test_a_servers_min_sites_for_shared_stats_holds_whatever_the_job_asks(tmp_path):
+    from fedpartial.algorithms.base import SiteUpdate
+    from fedpartial.flare.aggregators import RuleAggregator
+    from helpers import aggregator_fl_ctx
+
+    server = _kit(tmp_path, True)
+    fl_ctx = aggregator_fl_ctx(tmp_path)
+    fl_ctx.get_engine().get_workspace.return_value.get_root_dir.return_value = str(server)
+    agg = RuleAggregator(rule="fedlsm", min_sites_for_shared_stats=0, model={
+        "arch": "small_cnn", "arch_args": {"width": 4, "depth": 1}, "in_channels": 1, "class_names": ["a", "b"],
+        "task": "single-label"})
+    agg.rule.summed_stats = ("class_counts",)
+    agg.updates = [SiteUpdate(site=s, weights={}, num_samples=10, stats={"class_counts": [1, 2]}, metrics={})
+                   for s in ("site-1", "site-2")]
+    from fedpartial.algorithms.base import ServerContext
+
+    ctx = ServerContext(round=0, num_rounds=1, classifier_param_names=[], global_weights={}, global_stats={})
+    out = agg._withhold_small_sums(fl_ctx, {"class_counts": np.array([2, 4]), "pos_weight": 1.0}, ctx)
+    assert "class_counts" not in out and "pos_weight" in out  # the server's floor (3) applies
+    assert ctx.report["withheld_from_sites"] == ["class_counts"]
+    fl_ctx.get_engine().get_workspace.return_value.get_root_dir.return_value = str(tmp_path / "no_kit")
+    assert "class_counts" in agg._withhold_small_sums(fl_ctx, {"class_counts": np.array([2, 4])}, ctx)
+
+
+def test_a_site_refuses_rounds_beyond_its_limit(caplog):
+    from nvflare.apis.dxo import DXO, DataKind
+    from nvflare.apis.fl_constant import ReturnCode
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.apis.signal import Signal
+    from nvflare.app_common.app_constant import AppConstants
+
+    from fedpartial.flare.executors import FedPartialExecutor
+
+    ex = FedPartialExecutor(model={"arch": "small_cnn", "in_channels": 1, "class_names": ["a"], "task": "single-label"})
+    ex.ready, ex.site, ex.rules = True, "site-1", {"max_rounds": 3}
+    task = DXO(DataKind.WEIGHTS, data={}).to_shareable()
+    task.set_header(AppConstants.CURRENT_ROUND, 0)
+    task.set_header(AppConstants.NUM_ROUNDS, 4)
+    assert ex.execute("train", task, FLContext(), Signal()).get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+    assert "site 'site-1' refuses round 0 of 4: beyond this site's limit of 3 rounds ('max_rounds'" in caplog.text
+    caplog.clear()
+    task.set_header(AppConstants.NUM_ROUNDS, 3)  # within the limit: it goes on to train (and fails here, unset up)
+    ex.execute("train", task, FLContext(), Signal())
+    assert "refuses round" not in caplog.text
+
+
+def test_floors_and_limits_have_documented_defaults_and_a_site_may_change_them():
+    rules = site_rules({"path": "x", "max_batch_size": 32, "min_count": 10})
+    assert rules == {**FLOORS, **LIMITS, "max_batch_size": 32, "min_count": 10}
+    with pytest.raises(ValueError, match="min_sites_per_round must be an integer >= 1"):
+        site_rules({"path": "x", "min_sites_per_round": 0})
+    deployment = (REPO / "docs" / "DEPLOYMENT.md").read_text()
+    for key, value in {**FLOORS, **LIMITS}.items():
+        assert f"`{key}`" in deployment and (f"{value:,}" in deployment or str(value) in deployment), key
