@@ -230,6 +230,9 @@ LIMIT_ATTACKS = [  # (overrides, side, the limit named, message part)
     (["rule_args.local_epochs=5000"], "client", "max_local_epochs", "rule_args.local_epochs = 5000"),
     (["rule_args.local_iterations=10000000"], "client", "max_local_steps", "rule_args.local_iterations = 10000000"),
     (["num_rounds=100000"], "server", "max_rounds", "ScatterAndGather num_rounds = 100000"),
+    # a matched baseline copies the steps of the rule it names: that rule's epochs count as its own
+    (['rule_args.steps_of={"rule": "fedlsm", "rule_args": {"local_epochs": 5000}}'], "client", "max_local_epochs",
+     "rule_args.steps_of.rule_args.local_epochs = 5000"),
 ]
 
 

@@ -102,7 +102,9 @@ _SEGMENTATION = {**_SUPERVISED, "local_epochs": Int(1, 1_000_000), "prob_thresho
 CLIENT_RULE_ARGS: Dict[str, Dict[str, Spec]] = {
     "fedavg": {**_SUPERVISED, "loss_mode": Choice(*fedavg.LOSS_MODES), "local_iterations": Maybe(STEPS),
                "augmentation": Choice(*TRAINING_VIEWS), "rotate_deg": Num(0, 180), "translate": FRACTION,
-               "label_smoothing": PROB, "num_views": VIEWS, "loader_workers": Int(0, 256)},
+               "label_smoothing": PROB, "num_views": VIEWS, "loader_workers": Int(0, 256),
+               "weight_by": Choice(*fedavg.WEIGHT_BY), "class_weighted_bce": Bool(), "max_pos_weight": Maybe(POSITIVE),
+               "logit_adjustment": Bool(), "la_tau": WEIGHT, "la_eps": Num(0, 0.5, open_lo=True)},
     "fedavg_seg": dict(_SEGMENTATION),
     "fedlsm": {**_SUPERVISED, "local_epochs": Maybe(EPOCHS), "ude_pairs": VIEWS, "local_iterations": Maybe(STEPS),
                "confident_fraction": Maybe(FRACTION), "uncertain_fraction": Maybe(FRACTION), "ema_decay": FRACTION,
@@ -131,6 +133,29 @@ CLIENT_RULE_ARGS: Dict[str, Dict[str, Spec]] = {
               "correction_rule": Choice(*fedia.CORRECTION_RULES), "warmup_from_first_lesion": Bool(),
               "retry_empty_correction": Bool()},
 }
+
+
+class RuleSteps(Spec):
+    """A baseline's ``steps_of``: ``{"rule": a registered client rule, "rule_args": that rule's
+    arguments}``, each argument checked as that rule's own would be."""
+
+    def __init__(self, tables: Dict[str, Dict[str, Spec]]):
+        self.tables = tables
+
+    def why(self, value):
+        if not isinstance(value, dict) or set(value) - {"rule", "rule_args"}:
+            return "must be a dict of 'rule' and 'rule_args'"
+        why = Choice(*sorted(self.tables)).why(value.get("rule"))
+        if why:
+            return f"'rule' ({_show(value.get('rule'))}) {why}"
+        why = Record(self.tables[value["rule"]]).why(value.get("rule_args") or {})
+        return f"'rule_args' {why}" if why else ""
+
+    def describe(self):
+        return "dict of rule, rule_args"
+
+
+CLIENT_RULE_ARGS["fedavg"]["steps_of"] = Maybe(RuleSteps(CLIENT_RULE_ARGS))
 SERVER_RULE_ARGS: Dict[str, Dict[str, Spec]] = {
     "fedavg": {},
     "fedavg_seg": {},
@@ -278,7 +303,8 @@ SECTIONS = {SERVER: ("workflows", "components", "task_data_filters", "task_resul
 #: the top-level variables a config may hold (and name as "{name}"), and FLARE's own settings
 VARIABLES: Dict[str, Dict[str, Spec]] = {
     SERVER: {"num_rounds": Int(1, 1_000_000), "min_clients": Int(1, 10_000), "model": MODEL, "seed": SEED,
-             "key_metric": METRIC},
+             "key_metric": METRIC, "task_request_interval": PERIOD, "task_check_period": PERIOD,
+             "memory_gc_rounds": Int(0, 10 ** 6)},
     CLIENT: {"model": MODEL, "seed": SEED, "key_metric": METRIC, "data_root": _EXECUTOR_ARGS["data_root"],
              "device": _EXECUTOR_ARGS["device"], "memory_format": Choice(*MEMORY_FORMATS)},
 }
@@ -329,16 +355,6 @@ def check_config(config, side: str, file: str = "", byoc: bool = False) -> Check
     out = Checked(side)
     variables = VARIABLES[side]
     unknown = [k for k in config if k not in SECTIONS[side] and k not in variables and k not in SETTINGS[side]]
-    for key, value in config.items():
-        if key in SECTIONS[side] or key in unknown:
-            continue
-        spec = variables.get(key) or SETTINGS[side].get(key)
-        _plain(value, lambda where, v: refuse(f"top-level '{key}{where}'", _filled(v)))
-        why = spec.why(value)
-        if why:
-            refuse(f"top-level '{key}' ({_show(value)})", why)
-        if key in variables:
-            out.variables[key] = value
 
     def resolve(value):
         """FLARE's whole-value reference to a top-level variable, filled in as FLARE will."""
@@ -346,6 +362,26 @@ def check_config(config, side: str, file: str = "", byoc: bool = False) -> Check
         if m and m.group(1) in out.variables:
             return copy.deepcopy(out.variables[m.group(1)]), True
         return value, False
+
+    def filled_in(value):
+        # a FLARE setting block (the server's task_request_interval) may name a variable whole
+        if isinstance(value, dict):
+            return {k: filled_in(v) for k, v in value.items()}
+        return resolve(value)[0]
+
+    # the variables first: a FLARE setting block may name one of them whole
+    for key, value in sorted(config.items(), key=lambda kv: kv[0] in SETTINGS[side] and kv[0] not in variables):
+        if key in SECTIONS[side] or key in unknown:
+            continue
+        spec = variables.get(key) or SETTINGS[side].get(key)
+        if key not in variables:
+            value = filled_in(value)
+        _plain(value, lambda where, v: refuse(f"top-level '{key}{where}'", _filled(v)))
+        why = spec.why(value)
+        if why:
+            refuse(f"top-level '{key}' ({_show(value)})", why)
+        if key in variables:
+            out.variables[key] = value
 
     ids = set()
     for section in SECTIONS[side]:

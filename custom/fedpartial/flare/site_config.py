@@ -250,11 +250,16 @@ def check_limits(checked, rules: dict, where: str, source: str) -> None:
                        f"parameters", f"{count:,}", "max_model_parameters")
     for place, path, args in checked.components:
         name = path.rpartition(".")[2]
-        for limit, names in LIMITED_ARGS.items():
-            for arg in names:
-                value = (args.get("rule_args") or {}).get(arg)
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > rules[limit]:
-                    refuse(f"{name} rule_args.{arg}", value, limit)
+        rule_args = args.get("rule_args") or {}
+        # a matched baseline makes the steps of the rule named in steps_of: its arguments count too
+        steps_of = rule_args.get("steps_of") if isinstance(rule_args.get("steps_of"), dict) else {}
+        for prefix, values in (("rule_args", rule_args),
+                               ("rule_args.steps_of.rule_args", steps_of.get("rule_args") or {})):
+            for limit, names in LIMITED_ARGS.items():
+                for arg in names:
+                    value = values.get(arg)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > rules[limit]:
+                        refuse(f"{name} {prefix}.{arg}", value, limit)
         rounds = args.get("num_rounds") if name == "ScatterAndGather" else None
         if isinstance(rounds, int) and rounds > rules["max_rounds"]:
             refuse(f"{name} num_rounds", rounds, "max_rounds")
