@@ -84,7 +84,7 @@ def test_card_of_a_hand_made_run(tmp_path):
     for text in ("# Model card: job j1", "`lr` = 0.001 (default 0.0001)", "| site-2 | withheld | 0: 12, 1: 0 |",
                  "| site-3 | - | - |", "c1 withheld", "| 0 | initial | 0.7000 | 0.9000 | - | 0.8000 |",
                  "c0 0.35, c1 0.50, c2 0.60",
-                 "README.md#results", "## Evaluations", "None yet"):
+                 "Source: docs/RESULTS.md#earlier-measurements-before-committed-rows", "## Evaluations", "None yet"):
         assert text in md, text
 
 
@@ -101,9 +101,14 @@ def test_the_runtime_quotes_no_measured_number_and_names_where_the_numbers_are()
     for rule, notes in METHOD_NOTES.items():
         for key in ("intended_use", "known_limits"):
             assert not measured.search(notes[key]), (rule, key, measured.search(notes[key]).group())
-        assert notes["source"].startswith("README.md#results"), rule
-        heading = "## Results" if "#results" in notes["source"] else ""
-        assert heading in (Path(__file__).resolve().parents[1] / "README.md").read_text(), rule
+        places = [part.strip().split(" (")[0] for part in notes["source"].split(";")]
+        assert places, rule
+        for place in places:  # each names a file of the repository and a heading it has
+            doc, _, anchor = place.partition("#")
+            text = (Path(__file__).resolve().parents[1] / doc).read_text()
+            slugs = {re.sub(r"[^a-z0-9 -]", "", h.lower()).strip().replace(" ", "-")
+                     for h in re.findall(r"^#+ (.+)$", text, re.M)}
+            assert not anchor or anchor in slugs, (rule, place)
 
 
 def test_an_evaluation_is_appended_to_both_files(tmp_path):
@@ -207,7 +212,8 @@ def test_simulator_card_names_sites_rounds_validation_and_evaluate_appends(sim_r
         assert row["sites"] == {s: e["val"]["auc"] for s, e in sorted(r["sites"].items())}
     for text in ("site-1", "site-2", "site-3", "rounds run: 3 of 3", "## Validation per round (auc)",
                  "| 2 | round 1 |", "`global_model.pt` (model of round 2, the result model)", "## Decision thresholds",
-                 "measured on HAM10000 and NIH ChestX-ray14", "Source: README.md#results (rows fedlsm-ham"):
+                 "measured on HAM10000 and NIH ChestX-ray14",
+                 "Source: docs/RESULTS.md#earlier-measurements-before-committed-rows (rows fedlsm-ham"):
         assert text in md, text
     model, meta = load_model_file(run / "global_model.pt")
     result = evaluate_data(model, meta, str(root))

@@ -1,4 +1,4 @@
-"""README "Your own data" runs as written: DICOM + CSV at three hospitals -> import -> FedMLP in POC
+"""docs/USAGE.md "Your own data" runs as written: DICOM + CSV at three hospitals -> import -> FedMLP in POC
 -> evaluation on the imported test folder -> predict on the test DICOM folder -> export as a MONAI
 bundle that MONAI's own runner runs on PNG copies of the test slices."""
 import csv
@@ -14,11 +14,11 @@ pytestmark = pytest.mark.xdist_group("deployment")
 REPO = Path(__file__).resolve().parents[1]
 
 
-def readme_block(name: str) -> str:
-    """The bash code between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` of README.md."""
-    text = (REPO / "README.md").read_text()
+def usage_block(name: str) -> str:
+    """The bash code between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` of docs/USAGE.md."""
+    text = (REPO / "docs" / "USAGE.md").read_text()
     found = re.search(rf"<!-- {name}:begin -->\s*```bash\n(.*?)```\s*<!-- {name}:end -->", text, re.S)
-    assert found, f"README.md has no '{name}' block"
+    assert found, f"docs/USAGE.md has no '{name}' block"
     return found.group(1)
 
 
@@ -30,7 +30,7 @@ def test_readme_own_data_walkthrough_runs_as_written(tmp_path):
 
     own = tmp_path / "own"
     env = dict(os.environ, OWN=str(own), TMPDIR=str(tmp_path))
-    script = "set -euo pipefail\n" + readme_block("own-data")
+    script = "set -euo pipefail\n" + usage_block("own-data")
     try:
         run = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     finally:
