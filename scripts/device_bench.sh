@@ -5,7 +5,11 @@
 # patients (fedpartial_tools.bench.ms6_protocol: the recipe chosen on the sites' own val masks,
 # then the leave-one-patient-out fold table, then the second rater).
 #
-#   OUT=DIR [MINUTES=7] [PARALLEL=0] bash scripts/device_bench.sh
+#   OUT=DIR [MINUTES=7] [PARALLEL=0] [PROTOCOL_ARGS="--chosen cosine"] bash scripts/device_bench.sh
+#
+# The committed rows (docs/results/rows/ms6-*.csv) are copied into OUT/rows.csv first, so a training
+# done before is skipped; PROTOCOL_ARGS="--chosen cosine" goes straight to the fold table with the
+# recipe the committed rows chose.
 #
 # Needs: python3 with torch (CUDA); nvflare and MONAI from the environment, else from wheels in
 # .whl/ (the device machine has no package index); the two MS source files in $DATA (default
@@ -36,6 +40,14 @@ echo "[$((SECONDS - T0)) s] set up"
 ( while sleep 15; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null \
     | sed "s/^/[gpu $((SECONDS - T0)) s] /" >> "$OUT/gpu.txt"; done ) &
 SAMPLER=$!
+# the committed MS rows first: a training done before is not run again, the recipe chosen before is checked
+python3 - "$OUT/rows.csv" <<'PY'
+import glob, sys
+from fedpartial_tools.bench.rows import append_row, read_committed
+for path in sorted(glob.glob("docs/results/rows/ms6-*.csv")):
+    for row in read_committed(path):
+        append_row(sys.argv[1], row)
+PY
 python3 -m fedpartial_tools.bench.ms6_protocol --out /tmp/fpbench/ms6 --rows "$OUT/rows.csv" --data-dir "$DATA" \
   --minutes "$MINUTES" --parallel "$PARALLEL" --report "$OUT/report.json" ${PROTOCOL_ARGS:-}
 RC=$?

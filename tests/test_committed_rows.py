@@ -162,3 +162,33 @@ def test_a_suite_line_from_hand_rows_and_only_complete_seeds():
     # means: FedAvg 0.81, full 0.91, FedLSM 0.83 -> gap (0.83 - 0.81) / 0.10 = 20 %; below FedAvg on seed 1
     assert summary.suite_line("fedlsm-ham", kept) == (
         "| fedlsm-ham | auc | 2 | 0.810 ± 0.014 | 0.835 ± 0.007 | 0.910 ± 0.014 | 0.830 ± 0.028 | 20 % | 1 of 2 (1) |")
+
+
+def test_a_candidate_is_read_from_the_settings_a_row_ran_with():
+    """Both candidates are explicit --set items: a profile default that changes later (the lesions
+    profile now ships cosine) cannot turn a row of one candidate into the other's."""
+    from fedpartial_tools.bench.ms6_protocol import candidate_of
+
+    def row(*sets):
+        return {"settings": json.dumps({"job": "fedia:lesions", "sets": ["seed=0", *sets], "profile": "cpu"})}
+
+    assert candidate_of(row("rule_args.lr_schedule=constant")) == "constant"
+    assert candidate_of(row("rule_args.lr_schedule=cosine")) == "cosine"
+    assert candidate_of(row()) == ""  # the profile's default: no candidate of the protocol
+
+
+def test_the_hash_sees_what_a_profile_default_comes_to(monkeypatch):
+    """The same job and --set items hash differently once a default they leave alone changes."""
+    from fedpartial_tools.jobs import settings as job_settings_module
+
+    before = committed.settings_hash("fedavg", ["seed=0"], "cpu")
+    real = job_settings_module.constructor_defaults
+
+    def changed(path):
+        out = dict(real(path))
+        if "label_smoothing" in out:
+            out["label_smoothing"] = 0.3
+        return out
+
+    monkeypatch.setattr(job_settings_module, "constructor_defaults", changed)
+    assert committed.settings_hash("fedavg", ["seed=0"], "cpu") != before

@@ -142,7 +142,21 @@ ATTACKS = [  # (name, side, change, what the refusal must name)
     ("unknown_argument", "client", lambda c: _executor(c)["rule_args"].__setitem__("args", ["sh", "-c", "id"]),
      "argument 'rule_args' of rule 'fedlsm' has 'args', which is not one of"),
     ("nested_component", "server", lambda c: _component(c, "aggregator")["rule_args"].__setitem__(
-        "use_awpa", {"path": "subprocess.Popen", "args": {"args": ["id"]}}), "'use_awpa'"),
+        "use_awpa", {"path": "subprocess.Popen", "args": {"args": ["id"]}}),
+     "argument 'rule_args.use_awpa' is a dict FLARE would build as a component"),
+    # an allowed class built from a dict argument (FLARE builds any dict naming 'path' / 'name')
+    ("nested_allowed_component", "client", lambda c: c["task_result_filters"].append(
+        {"tasks": ["train"], "filters": [{"path": "fedpartial.flare.filters.StatisticsPrivacyFilter", "args": {
+            "preset": "fedlsm", "guards": {"path": "fedpartial.flare.filters.SendWeightDiff"}}}]}),
+     "argument 'guards' is a dict FLARE would build as a component"),
+    ("steps_of_nested", "client", lambda c: _executor(c).update(rule="fedavg", rule_args={"steps_of": {
+         "rule": "fedavg", "rule_args": {"steps_of": {
+         "rule": "fedlsm", "rule_args": {"batch_size": 1}}}}}), "'rule' ('fedavg') must be one of"),
+    ("whole_site_pattern", "client", lambda c: _executor(c).__setitem__("data_file", "{site}"),
+     "not '{site}' alone"),
+    ("selector_weights", "server", lambda c: _component(c, "model_selector").__setitem__(
+        "aggregation_weights", {"site-1": 0, "site-2": 1}),
+     "argument 'aggregation_weights'"),
     ("component_by_name", "server", lambda c: c["components"].append({"id": "x", "name": "ScatterAndGather"}),
      "must name its class in 'path'"),
     ("fixed_argument", "server", lambda c: _component(c, "tb_receiver").__setitem__("tb_folder", "../../x"),
@@ -230,6 +244,9 @@ LIMIT_ATTACKS = [  # (overrides, side, the limit named, message part)
     (["rule_args.local_epochs=5000"], "client", "max_local_epochs", "rule_args.local_epochs = 5000"),
     (["rule_args.local_iterations=10000000"], "client", "max_local_steps", "rule_args.local_iterations = 10000000"),
     (["num_rounds=100000"], "server", "max_rounds", "ScatterAndGather num_rounds = 100000"),
+    # activations: a model with few parameters made wide at one layer, at a small batch (16 GiB a tensor)
+    (['model.arch_args={"width": 65536, "depth": 1}', "model.input_size=[64,64]", "rule_args.batch_size=16"],
+     "client", "max_activation_gib", "activations of a training batch = "),
     # a matched baseline copies the steps of the rule it names: that rule's epochs count as its own
     (['rule_args.steps_of={"rule": "fedlsm", "rule_args": {"local_epochs": 5000}}'], "client", "max_local_epochs",
      "rule_args.steps_of.rule_args.local_epochs = 5000"),
@@ -250,11 +267,13 @@ def test_a_job_beyond_a_participants_limits_is_refused_before_anything_is_built(
     kit = _kit(tmp_path, side == "server")
     app = _deploy(kit, _job(tmp_path, overrides), "server" if side == "server" else "site-1")
     err, _ = JobGate(side).validate(str(app))
-    assert message in err and f"('{limit}' in {kit / 'local' / 'fedpartial_site.json'})" in err, err
+    # the limit named, the kit's path not (a refusal reaches the submitter)
+    assert message in err and f"('{limit}' in local/fedpartial_site.json" in err and str(kit) not in err, err
     assert set(built) <= {"meta"}, built  # counted on the meta device: nothing allocated
     # the participant's file decides: raised there, the same job passes
+    # (the activations of a wide model or a large batch are the other limit such a job meets)
     (kit / "local" / "fedpartial_site.json").write_text(json.dumps({"format_version": 1, "datasets": {},
-                                                                   limit: 10 ** 12}))
+                                                                   "max_activation_gib": 10 ** 6, limit: 10 ** 12}))
     assert JobGate(side).validate(str(app)) == ("", {})
 
 
@@ -265,12 +284,12 @@ def test_the_round0_model_comes_from_the_server_kit_never_the_jobs_app_folder(tm
     app = _deploy(server, job, "server")
     err, _ = JobGate().validate(str(app))
     assert ("the server refuses the job: its 'model.pretrained' ('crafted.pt') is not in "
-            f"{server / 'pretrained'}; the server's operator places the weights") in err, err
+            "its kit's pretrained/ folder; the server's operator places the weights") in err, err
     (server / "pretrained").mkdir()
     (server / "pretrained" / "crafted.pt").write_bytes(b"the operator's file")
     assert JobGate().validate(str(app)) == ("", {})
     err, _ = JobGate().validate(str(_deploy(server, _job(tmp_path, ['server.resume_from="run_7"']), "server")))
-    assert f"its 'resume_from' ('run_7') is not in {server / 'resume'}" in err, err
+    assert "its 'resume_from' ('run_7') is not in its kit's resume/ folder" in err and str(server) not in err, err
 
 
 def test_a_kit_names_the_gate_or_says_so(tmp_path):
@@ -375,3 +394,16 @@ def test_floors_and_limits_have_documented_defaults_and_a_site_may_change_them()
     deployment = (REPO / "docs" / "DEPLOYMENT.md").read_text()
     for key, value in {**FLOORS, **LIMITS}.items():
         assert f"`{key}`" in deployment and (f"{value:,}" in deployment or str(value) in deployment), key
+
+
+def test_a_gate_that_fails_unexpectedly_refuses_naming_only_the_kind_of_error(tmp_path, monkeypatch):
+    """What the gate says reaches the job's submitter: an unexpected failure refuses the job without
+    its internals (a path, a library's message)."""
+    from fedpartial.flare import job_gate
+
+    site = _kit(tmp_path, False)
+    app = _deploy(site, _job(tmp_path), "site-1")
+    monkeypatch.setattr(job_gate, "check_app", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError(f"meta tensor failure in {site}/local")))
+    err, _ = JobGate().validate(str(app))
+    assert err == "site 'site-1' refuses the job: its configs could not be checked (RuntimeError)", err

@@ -64,7 +64,9 @@ def check_app(app_folder: str, side: str, workspace_root: str, where: str) -> Di
     sides = [side] + ([CLIENT] if side == SERVER else [])
     config = load_site_config(workspace_root)
     rules = site_rules(config)
-    source = config["path"] if config else site_config_path(workspace_root) + " (defaults)"
+    # named relative to the kit: a refusal reaches the submitter, a kit's path is the site's own
+    source = (os.path.relpath(config["path"], workspace_root) if config
+              else os.path.relpath(site_config_path(workspace_root), workspace_root) + ", defaults")
     out = {}
     for s in sides:
         path = os.path.join(folder, CONFIG_FILES[s])
@@ -114,6 +116,9 @@ class JobGate(AppValidator):
         except ValueError as e:
             self.logger.error(str(e))
             return str(e), {}
+        except Exception as e:  # anything else refuses too, with no internals for the submitter
+            self.logger.exception(f"{where}: the job gate failed on {app_folder}")
+            return f"{where} refuses the job: its configs could not be checked ({type(e).__name__})", {}
         self.logger.info(f"{where}: job app {os.path.basename(os.path.dirname(app_folder))} passed the job gate")
         return "", {}
 

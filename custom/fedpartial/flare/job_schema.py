@@ -49,8 +49,9 @@ OPTIONAL_NAME = Text(r"([A-Za-z_][A-Za-z0-9_.-]{0,63})?", "a name or ''", 64)
 #: a relative path without '..' (the participant decides which folder it is relative to)
 RELATIVE = Text(r"(?!/)(?!~)(?!.*(^|/)\.\.(/|$))[A-Za-z0-9_./ -]*", "a relative path without '..' (or '')", 255)
 #: the executor's file pattern: relative, with at most one {site} (filled in by fedpartial per site)
-SITE_PATTERN = Text(r"(?!/)(?!~)(?!.*(^|/)\.\.(/|$))[A-Za-z0-9_./-]*(\{site\}[A-Za-z0-9_./-]*)?",
-                    "a relative file pattern without '..', with {site} for the site's name", 255, True)
+SITE_PATTERN = Text(r"(?!\{site\}$)(?!/)(?!~)(?!.*(^|/)\.\.(/|$))[A-Za-z0-9_./-]*(\{site\}[A-Za-z0-9_./-]*)?",
+                    "a relative file pattern without '..', with {site} for the site's name (not '{site}' alone: "
+                    "FLARE would fill that whole value in)", 255, True)
 
 
 class Agreement(Spec):
@@ -145,7 +146,8 @@ class RuleSteps(Spec):
     def why(self, value):
         if not isinstance(value, dict) or set(value) - {"rule", "rule_args"}:
             return "must be a dict of 'rule' and 'rule_args'"
-        why = Choice(*sorted(self.tables)).why(value.get("rule"))
+        # only a method that states its steps; never a baseline, whose steps_of would nest
+        why = Choice(*STEP_RULES).why(value.get("rule"))
         if why:
             return f"'rule' ({_show(value.get('rule'))}) {why}"
         why = Record(self.tables[value["rule"]]).why(value.get("rule_args") or {})
@@ -155,6 +157,8 @@ class RuleSteps(Spec):
         return "dict of rule, rule_args"
 
 
+#: the client rules that state their steps per round (a matched baseline may copy them)
+STEP_RULES = ("fedirm", "fedlsm", "fedmlp")
 CLIENT_RULE_ARGS["fedavg"]["steps_of"] = Maybe(RuleSteps(CLIENT_RULE_ARGS))
 SERVER_RULE_ARGS: Dict[str, Dict[str, Spec]] = {
     "fedavg": {},
@@ -247,7 +251,7 @@ COMPONENTS: Dict[str, Component] = {
         "model": MODEL, "seed": SEED, "resume_from": RELATIVE, "runtime_version": _EXECUTOR_ARGS["runtime_version"]}),
     _FP + "persistor.FedPartialModelLocator": Component(["server.components"], {"persistor_id": NAME}),
     _FP + "selector.PooledModelSelector": Component(["server.components"], {
-        "key_metric": METRIC, "weigh_by_local_iter": Bool(), "aggregation_weights": Maybe(MapOf(WEIGHT)),
+        "key_metric": METRIC, "weigh_by_local_iter": Bool(), "aggregation_weights": Fixed({}),
         "validation_metric_name": Fixed("initial_metrics"), "negate_key_metric": Bool()}),
     _FP + "filters.StatisticsPrivacyFilter": Component(["client.filters"], {
         "preset": Choice(*PRESET_NAMES), "min_count": _MIN_COUNT, "guards": Maybe(MapOf(NAME)),
@@ -272,7 +276,7 @@ COMPONENTS: Dict[str, Component] = {
     _NV + "widgets.convert_to_fed_event.ConvertToFedEvent": Component(["client.components"], {
         "events_to_convert": ListOf(Choice("analytix_log_stats"), 1, 1), "fed_event_prefix": Fixed("fed.")}),
     _NV + "widgets.intime_model_selector.IntimeModelSelector": Component(["server.components"], {
-        "weigh_by_local_iter": Bool(), "aggregation_weights": Maybe(MapOf(WEIGHT)),
+        "weigh_by_local_iter": Bool(), "aggregation_weights": Fixed({}),
         "validation_metric_name": Fixed("initial_metrics"), "key_metric": METRIC, "negate_key_metric": Bool()}),
     _NV + "widgets.validation_json_generator.ValidationJsonGenerator": Component(["server.components"], {
         "results_dir": Fixed("cross_site_val"), "json_file_name": Fixed("cross_val_results.json")}),
@@ -280,7 +284,7 @@ COMPONENTS: Dict[str, Component] = {
         "task_check_period": PERIOD, "cross_val_dir": Fixed("cross_site_val"), "submit_model_timeout": Int(0, 10 ** 7),
         "validation_timeout": Int(0, 10 ** 7), "model_locator_id": OPTIONAL_NAME, "formatter_id": Fixed(""),
         "submit_model_task_name": AnyOf(TASK, Choice("")), "validation_task_name": TASK,
-        "cleanup_models": Bool(), "participating_clients": Maybe(ListOf(NAME, 1, 10_000)),
+        "cleanup_models": Bool(), "participating_clients": Fixed(None),
         "wait_for_clients_timeout": Int(0, 10 ** 7)}),
     _NV + "workflows.scatter_and_gather.ScatterAndGather": Component(["server.workflows"], {
         "min_clients": Int(1, 10_000), "num_rounds": Int(1, 1_000_000), "start_round": Int(0, 1_000_000),
@@ -434,6 +438,24 @@ def _plain(value, refuse, where: str = "") -> None:
         refuse(where, value)
 
 
+def _nested_component(value, where: str = "") -> Optional[str]:
+    """Where in ``value`` a dict names a class as FLARE's component builder reads one (a key
+    'path', 'class_path' or 'name'), or None."""
+    if isinstance(value, dict):
+        if {"path", "class_path", "name"} & set(value):
+            return where
+        for k, v in value.items():
+            found = _nested_component(v, f"{where}.{k}")
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _nested_component(v, f"{where}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
 def _component(entry, at: str, place: str, out: Checked, resolve, refuse, byoc: bool, ids: Optional[set]) -> None:
     if not isinstance(entry, dict):
         refuse(at, "must be a dict with 'path' and 'args'")
@@ -467,6 +489,11 @@ def _component(entry, at: str, place: str, out: Checked, resolve, refuse, byoc: 
         if spec is None:
             refuse(where, f"is not one it takes; a job may set {sorted(k for k, s in component.args.items() if s.settable)}")
         value, was_ref = resolve(raw)
+        nested = _nested_component(value)
+        if nested is not None:
+            refuse(f"{name}, argument '{arg}{nested}'", "is a dict FLARE would build as a component (it names "
+                                                        "'path', 'class_path' or 'name'); a job's arguments are "
+                                                        "plain values")
         if not was_ref and not getattr(spec, "site_placeholder", False):
             _plain(raw, lambda w, v: refuse(f"{name}, argument '{arg}{w}'", _filled(v)), "")
         why = spec.why(value)

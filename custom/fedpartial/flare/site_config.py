@@ -99,7 +99,7 @@ def confined(base: str, relative: str, field: str, where: str) -> str:
 
 
 #: the file name patterns a job may give a provisioned site: its own site file or site folder
-SITE_FILE_PATTERNS = ("{site}.npz", "{site}")
+SITE_FILE_PATTERNS = ("{site}.npz",)  # a site folder is found beside it (<site>/), see resolve_data_file
 #: Privacy floors of a participant (keys of its file): a job may only make them stricter, the
 #: larger of the participant's and the job's value applies.
 FLOORS = {
@@ -124,6 +124,10 @@ LIMITS = {
     "max_local_steps": 10_000,   # local iterations per round
     "max_rounds": 1000,          # rounds of a job
     "max_loader_workers": 4,     # data loader processes
+    # GiB of activations a training batch keeps for its backward pass (or a prediction batch's two
+    # largest layers), estimated on torch's meta device: DenseNet-121 at 224 px, batch 64, is about
+    # 9; what a width, stride or input size can ask is unbounded otherwise
+    "max_activation_gib": 16,
 }
 MIN_COUNT = FLOORS["min_count"]
 MAX_INPUT_SIZE = LIMITS["max_input_size"]
@@ -192,6 +196,47 @@ def parameter_count(model: dict) -> int:
 PRETRAINED_DIR, RESUME_DIR = "pretrained", "resume"
 
 
+#: the batch a site's validation and cross-site evaluation predict with (fedpartial.evaluation)
+PREDICT_BATCH = 128
+_PREDICT_BATCH_ARGS = ("eval_batch_size", "prediction_batch_size", "predict_batch_size")
+
+
+def activation_gib(model: dict, train_batch: int, predict_batch: int) -> tuple:
+    """GiB of activations of the job's model for one training batch (every layer's output, kept for
+    the backward pass) and one prediction batch (its largest layer's output twice), from a forward
+    pass of one image on torch's meta device (nothing is allocated).
+
+    Args:
+        model: the job's model block.
+        train_batch: images a training step puts through the model (batch size x views).
+        predict_batch: images a prediction step puts through it.
+    """
+    import torch
+
+    from fedpartial.flare.common import build_model_from_settings, model_settings
+
+    settings = model_settings(model)
+    with torch.device("meta"):
+        net = build_model_from_settings(settings).eval()
+    sizes = []
+
+    def record(module, inputs, output):
+        for out in output if isinstance(output, (list, tuple)) else [output]:
+            if isinstance(out, torch.Tensor):
+                sizes.append(out.numel() * out.element_size())
+
+    hooks = [m.register_forward_hook(record) for m in net.modules() if not list(m.children())]
+    try:
+        h, w = settings["input_size"]
+        with torch.no_grad():
+            net(torch.empty(1, settings["in_channels"], h, w, device="meta"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    gib = float(2 ** 30)
+    return sum(sizes) * train_batch / gib, 2 * max(sizes, default=0) * predict_batch / gib
+
+
 def check_server_files(checked, workspace_root: str, where: str) -> None:
     """A provisioned server starts a job only from weights its operator placed in its kit:
     ``model.pretrained`` in ``pretrained/``, the persistor's ``resume_from`` in ``resume/``.
@@ -211,8 +256,9 @@ def check_server_files(checked, workspace_root: str, where: str) -> None:
         base = os.path.join(workspace_root, folder)
         target = confined(base, value, field, where)
         if not (os.path.isfile(target) or (folder == RESUME_DIR and os.path.isdir(target))):
-            raise ValueError(f"{where} refuses the job: its '{field}' ({value!r}) is not in {base}; the server's "
-                             f"operator places the weights a job may start from there, a job cannot bring them")
+            raise ValueError(f"{where} refuses the job: its '{field}' ({value!r}) is not in its kit's {folder}/ "
+                             f"folder; the server's operator places the weights a job may start from there, a job "
+                             f"cannot bring them")
 
 
 def check_limits(checked, rules: dict, where: str, source: str) -> None:
@@ -260,9 +306,31 @@ def check_limits(checked, rules: dict, where: str, source: str) -> None:
                     value = values.get(arg)
                     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > rules[limit]:
                         refuse(f"{name} {prefix}.{arg}", value, limit)
+        # last: the arguments' own limits name the argument a job overdid
+        if name == "FedPartialExecutor" and isinstance(args.get("model"), dict):
+            train, predict = _activations(args["model"], rule_args, where)
+            for what, gib in (("a training batch", train), ("a prediction batch", predict)):
+                if gib > rules["max_activation_gib"]:
+                    refuse(f"model {args['model'].get('arch')} {args['model'].get('arch_args', {})} at "
+                           f"{args['model'].get('input_size')} px: activations of {what}", f"{gib:,.1f}",
+                           "max_activation_gib", " GiB")
         rounds = args.get("num_rounds") if name == "ScatterAndGather" else None
         if isinstance(rounds, int) and rounds > rules["max_rounds"]:
             refuse(f"{name} num_rounds", rounds, "max_rounds")
+
+
+def _activations(model: dict, rule_args: dict, where: str) -> tuple:
+    def number(key, default):
+        value = rule_args.get(key, default)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
+
+    train = number("batch_size", 64) * max(number("num_views", 1), number("ude_pairs", 1))
+    predict = max([PREDICT_BATCH] + [number(k, PREDICT_BATCH) for k in _PREDICT_BATCH_ARGS])
+    try:
+        return activation_gib(model, train, predict)
+    except Exception as e:  # a model whose size cannot be estimated is not run
+        raise ValueError(f"{where} refuses the job: the memory of its model {model.get('arch')} cannot be "
+                         f"estimated ({type(e).__name__})") from None
 
 
 def check_data_file(data_file: str, where: str) -> None:

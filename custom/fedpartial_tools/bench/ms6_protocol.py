@@ -37,7 +37,9 @@ JOBS = ["fedia_lesions", "fedavg_seg_lesions", "fedavg_seg_full_lesions"]
 #: the jobs whose sites hold what a federation has (the bound's sites hold complete masks)
 CHOOSING_JOBS = ("fedia_lesions", "fedavg_seg_lesions")
 SELECTION_PATIENTS = (7, 2)  # the first patient of each source
-CANDIDATES: Dict[str, List[str]] = {"constant": [], "cosine": ["rule_args.lr_schedule=cosine"]}
+# explicit both: a profile's default may change (the lesions profile now ships the chosen cosine)
+CANDIDATES: Dict[str, List[str]] = {"constant": ["rule_args.lr_schedule=constant"],
+                                    "cosine": ["rule_args.lr_schedule=cosine"]}
 TIE = 0.005
 
 
@@ -67,30 +69,28 @@ def choose(rows: Sequence[dict]) -> tuple:
 def candidate_of(row: dict) -> str:
     """The phase-1 candidate a committed row ran (read from its recorded ``--set`` items), or ""."""
     sets = json.loads(row.get("settings") or "{}").get("sets", [])
-    for name, extra in CANDIDATES.items():
-        others = [x for n, v in CANDIDATES.items() if n != name for x in v]
-        if all(x in sets for x in extra) and not any(x in sets for x in others):
-            return name
-    return ""
+    return next((name for name, extra in CANDIDATES.items() if all(x in sets for x in extra)), "")
 
 
 def selection_table(rows_dir: str) -> str:
-    """Phase 1 from the committed rows: each candidate's val rows (the sites' own val masks, last 5
+    """Phase 1 from the committed rows (a folder, one CSV per suite, or one .csv): each candidate's val rows (the sites' own val masks, last 5
     rounds; the source's val split with complete masks beside it, not used for the choice) and the
     choice the rule makes from them."""
     from fedpartial_tools.bench.rows import read_committed
 
     rows = []
-    for p in SELECTION_PATIENTS:
-        for r in read_committed(os.path.join(rows_dir, f"ms6-p{p}-m3.csv")):
-            if r["scored_on"] == "val" and candidate_of(r):
+    suites = [f"ms6-p{p}-m3" for p in SELECTION_PATIENTS]
+    files = [rows_dir] if rows_dir.endswith(".csv") else [os.path.join(rows_dir, f"{s}.csv") for s in suites]
+    for path in files:
+        for r in read_committed(path):
+            if r["suite"] in suites and r["scored_on"] in ("val", "val-complete") and candidate_of(r):
                 rows.append({**r, "candidate": candidate_of(r)})
     chosen, summary = choose(rows)
-    lines = ["| candidate | fold | job | seed | sites' own val, last 5 rounds | range, last 5 rounds | source's val "
-             "(complete masks; not used) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| candidate | fold | job | seed | sites' own val, last 5 rounds | range, last 5 rounds | final model's "
+             "val score (column scored_on; not used) |", "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (list(CANDIDATES).index(r["candidate"]), r["suite"], JOBS.index(r["method"]))):
         lines.append(f"| {r['candidate']} | {r['suite']} | {r['method']} | {r['seed']} | {float(r[SITE_VAL_KEY]):.3f} "
-                     f"| {float(r[LAST_ROUNDS_KEY]):.3f} | {float(r['dice_pooled']):.3f} |")
+                     f"| {float(r[LAST_ROUNDS_KEY]):.3f} | {float(r['dice_pooled']):.3f} ({r['scored_on']}) |")
     lines += ["", "Mean over the FedIA and FedAvg rows: " + "; ".join(
         f"{n} {v[0]:.4f} (range {v[1]:.4f}, {v[2]} rows)" for n, v in summary.items()) + f". Chosen: **{chosen}**."]
     return "\n".join(lines)
@@ -98,7 +98,7 @@ def selection_table(rows_dir: str) -> str:
 
 def run(out: str, rows_dir: str, data_dir: str, deadline: float, parallel: int, seeds=(0, 1, 2),
         rater2_seeds=(0,), selection_seeds=(0,), patients: Sequence[int] = MS6_PATIENTS,
-        jobs: Sequence[str] = JOBS, rounds=None, log=print) -> dict:
+        jobs: Sequence[str] = JOBS, rounds=None, chosen: str = "", log=print) -> dict:
     """The three phases, each training started only while ``time.time() < deadline``.
 
     Args:
@@ -110,9 +110,20 @@ def run(out: str, rows_dir: str, data_dir: str, deadline: float, parallel: int, 
         seeds / rater2_seeds / selection_seeds: of the fold table, the second rater and phase 1.
         patients / jobs / rounds: fewer for a smoke test (default: every patient and job, the
             suites' rounds).
+        chosen: the candidate phase 1 chose in an earlier run: phase 1 is not run again; the
+            committed rows in ``rows_dir`` (a folder) must give that choice.
         log: progress printer.
     """
     report = {"started": time.time()}
+    if chosen:
+        if chosen not in CANDIDATES:
+            raise ValueError(f"--chosen {chosen!r} is not one of {sorted(CANDIDATES)}")
+        made = selection_table(rows_dir)
+        if f"Chosen: **{chosen}**." not in made:
+            raise ValueError(f"the committed rows in {rows_dir} do not choose {chosen!r}:\n{made}")
+        report.update(chosen=chosen, selection="committed rows")
+        return _phase2(out, rows_dir, data_dir, deadline, parallel, seeds, rater2_seeds, patients, jobs, rounds,
+                       chosen, report, log)
     phase1 = []
     trainings = []
     for name, sets in CANDIDATES.items():
@@ -134,6 +145,12 @@ def run(out: str, rows_dir: str, data_dir: str, deadline: float, parallel: int, 
     log(f"recipe chosen on the sites' own val masks: {chosen} ({json.dumps(summary)})")
     if time.time() >= deadline:
         return report
+    return _phase2(out, rows_dir, data_dir, deadline, parallel, seeds, rater2_seeds, patients, jobs, rounds, chosen,
+                   report, log)
+
+
+def _phase2(out, rows_dir, data_dir, deadline, parallel, seeds, rater2_seeds, patients, jobs, rounds, chosen, report,
+            log) -> dict:
     sets = CANDIDATES[chosen]
     folder = os.path.join(out, chosen)
 
@@ -175,6 +192,8 @@ def main(argv=None):
     p.add_argument("--patients", default=",".join(map(str, MS6_PATIENTS)), help="fewer folds (a smoke test)")
     p.add_argument("--jobs", default=",".join(JOBS), help="fewer jobs (a smoke test)")
     p.add_argument("--rounds", type=int, default=None, help="fewer rounds (a smoke test)")
+    p.add_argument("--chosen", default="", choices=["", *CANDIDATES],
+                   help="the recipe an earlier run chose (its committed rows must give it): phase 1 is not run again")
     args = p.parse_args(argv)
     if args.show_selection:
         print(selection_table(args.rows))
@@ -183,7 +202,7 @@ def main(argv=None):
         p.error("--out is needed to run the protocol")
     report = run(args.out, args.rows, args.data_dir, time.time() + 60 * args.minutes, args.parallel,
                  seeds=[int(s) for s in args.seeds.split(",")], patients=[int(x) for x in args.patients.split(",")],
-                 jobs=args.jobs.split(","), rounds=args.rounds)
+                 jobs=args.jobs.split(","), rounds=args.rounds, chosen=args.chosen)
     print(json.dumps(report, indent=1))
     if args.report:
         with open(args.report, "w") as f:

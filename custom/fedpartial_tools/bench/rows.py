@@ -20,11 +20,34 @@ PROVENANCE_COLUMNS = ("commit", "device", "seconds", "settings")
 
 
 def settings_hash(job_folder: str, sets: Sequence[str], profile: str) -> str:
-    """A short hash of what decides a training: the job folder, its ``--set`` items (in order) and
-    the bench profile. Paths never enter ``sets`` (the bench's are data settings), so the same
-    training hashes alike on every machine."""
-    text = json.dumps({"job": job_folder, "sets": list(sets), "profile": profile}, sort_keys=True)
+    """A short hash of what decides a training: the job, its ``--set`` items (in order), the bench
+    profile, and what they come to: the client rule's effective arguments (its constructor defaults
+    included) and model, and the server's config with the items applied. So a job whose profile or
+    a client rule's default changed since a row was measured hashes differently, and is measured
+    again rather than taken from the old row. Paths never enter ``sets`` (the bench's are data
+    settings), so the same training hashes alike on every machine. A server rule's constructor
+    default is not part of it: changing one needs the rows measured again.
+
+    Args:
+        job_folder: the job that runs the row (a folder of jobs/ or ``RECIPE:PROFILE``).
+        sets: its ``--set`` items.
+        profile: the bench profile.
+    """
+    text = json.dumps({"job": job_folder, "sets": list(sets), "profile": profile,
+                       "effective": effective_settings(job_folder, sets)}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def effective_settings(job_folder: str, sets: Sequence[str]) -> dict:
+    """The client rule's effective settings (:func:`fedpartial_tools.jobs.settings.job_settings`) and
+    the server config with ``sets`` applied."""
+    from fedpartial_tools.jobs.folders import find_job
+    from fedpartial_tools.jobs.settings import _config_paths, apply_overrides, job_settings
+
+    job = find_job(job_folder)
+    configs = {side: json.load(open(path)) for side, path in _config_paths(job).items()}
+    apply_overrides(configs, list(sets))
+    return {"client": job_settings(job, sets), "server": configs["server"]}
 
 
 def current_commit(repo: str) -> str:

@@ -215,11 +215,20 @@ def run_trainings(trainings: Sequence[Training], score_on: str = "test", reuse: 
             log(f"FAILED {failed[-1]}")
             return None
 
-    if parallel <= 1:
-        rows = [one(t) for t in trainings]
-    else:
-        with ThreadPoolExecutor(max_workers=parallel) as pool:
-            rows = list(pool.map(one, trainings))
+    import torch
+
+    # the rows' scores come from this process: one torch thread, so that a score does not depend on
+    # how many trainings are scored side by side (float sums split over threads round differently)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        if parallel <= 1:
+            rows = [one(t) for t in trainings]
+        else:
+            with ThreadPoolExecutor(max_workers=parallel) as pool:
+                rows = list(pool.map(one, trainings))
+    finally:
+        torch.set_num_threads(threads_before)
     if failed and raise_errors:
         raise RuntimeError(f"{len(failed)} of {len(trainings)} trainings failed:\n" + "\n".join(failed))
     return rows
