@@ -103,6 +103,19 @@ def test_the_ms_protocol_chooses_on_the_sites_val_without_the_complete_mask_boun
     assert choose([])[0] == "constant"  # nothing measured: the shipped recipe
 
 
+def test_the_sites_val_pool_does_not_depend_on_the_order_the_sites_answered_in():
+    """Trainings side by side change the order in which sites answer cross-site evaluation; the
+    pooled score is summed in site order, so the row is the same to the last bit (0.3 + 0.2 + 0.1 is
+    0.6 in that order and 0.6000000000000001 the other way round)."""
+    from fedpartial_tools.run.results import server_model_validation
+
+    answers = {f"site-{i}": {"SRV_global_model": {"auc": v}} for i, v in ((1, 0.3), (2, 0.2), (3, 0.1))}
+    in_order = server_model_validation(answers, {s: 1 for s in answers})["global_model.pt"]["auc"]
+    reversed_order = dict(reversed(list(answers.items())))
+    assert server_model_validation(reversed_order, {s: 1 for s in answers})["global_model.pt"]["auc"] == in_order
+    assert in_order == ((0.3 + 0.2) + 0.1) / 3 != ((0.1 + 0.2) + 0.3) / 3
+
+
 @pytest.mark.slow
 def test_two_trainings_side_by_side_give_the_rows_of_a_serial_run(tmp_path):
     """bench --parallel 2: each training its own simulator process, the same rows as one after the

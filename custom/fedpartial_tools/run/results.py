@@ -78,7 +78,9 @@ def server_model_validation(cross_site: dict, sizes: Optional[Dict[str, float]] 
 
     out = {}
     for name, file in SERVER_MODEL_FILES.items():
-        per_site = {site: model_of(models, name) for site, models in cross_site.items() if isinstance(models, dict)}
+        # in site order, not the order the sites answered in: a float sum depends on its order
+        per_site = {site: model_of(models, name) for site, models in sorted(cross_site.items())
+                    if isinstance(models, dict)}
         per_site = {site: m for site, m in per_site.items() if isinstance(m, dict) and m}
         if not per_site:
             continue
