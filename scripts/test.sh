@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # README command 2: the whole test suite (unit, simulator, POC and provisioned end-to-end tests).
-# Two xdist workers: the end-to-end tests spend much of their time waiting on FLARE (start-up,
-# polling), so two at a time finish sooner on 2 cores; POC / provisioned systems stay on one
-# worker (xdist_group "deployment"). FEDPARTIAL_TEST_WORKERS=0 runs everything in one process.
+# Two xdist workers, each taking whole test files (--dist loadfile): the end-to-end tests spend much
+# of their time waiting on FLARE, so two at a time finish sooner on 2 cores, and a file's one
+# provisioned or POC system (a module fixture) is set up once rather than on each worker.
+# (xdist_group marks do nothing here: pytest-xdist 3.8 names a group through Item._nodeid, which
+# pytest 9 no longer reads.) FEDPARTIAL_TEST_WORKERS=0 runs everything in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
@@ -11,5 +13,5 @@ WORKERS=${FEDPARTIAL_TEST_WORKERS:-2}
 if [[ "$WORKERS" == 0 ]]; then
   python -m pytest -q -p no:cacheprovider "$@"
 else
-  python -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadgroup "$@"
+  python -m pytest -q -p no:cacheprovider -n "$WORKERS" --dist loadfile "$@"
 fi

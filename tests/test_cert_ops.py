@@ -27,8 +27,7 @@ from fedpartial_tools.deploy import admin, processes, provision
 from helpers import tls_reply
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"),
-              pytest.mark.xdist_group("deployment"), pytest.mark.slow]
+pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"), pytest.mark.slow]
 PROJECT = "fedpartial_certs"
 
 

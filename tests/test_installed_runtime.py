@@ -40,8 +40,7 @@ from helpers import outer_pip_cache
 from test_provisioned import CLASSES, _write_sites
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"),
-              pytest.mark.xdist_group("deployment")]
+pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning")]
 SITES = ["site-1", "site-2"]
 DATASET = "demo"  # the name each site's kit offers its site files under (local/fedpartial_site.json)
 OTHER_VERSION = "0.0.0.dev7"  # any version but the installed one

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-# POC and provisioned systems run one at a time, on one xdist worker (scripts/test.sh runs -n 2)
-pytestmark = pytest.mark.xdist_group("deployment")
 REPO = Path(__file__).resolve().parents[1]
 
 

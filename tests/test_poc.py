@@ -15,8 +15,6 @@ import pytest
 from fedpartial_tools.data.sites import dataset_overrides
 from fedpartial_tools.deploy import admin, cli as deploy, processes
 
-# POC and provisioned systems run one at a time, on one xdist worker (scripts/test.sh runs -n 2)
-pytestmark = pytest.mark.xdist_group("deployment")
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -25,9 +25,7 @@ from fedpartial_tools.jobs.packaging import package_job
 from fedpartial.models.io import load_model_file, read_model_file
 from test_poc import REPO, _env, poc_state  # noqa: F401  (poc_state: fixture that stops the system)
 
-# POC and provisioned systems run one at a time, on one xdist worker (scripts/test.sh runs -n 2)
-pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"),  # aiohttp in nvflare
-              pytest.mark.xdist_group("deployment")]
+pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning")]  # aiohttp in nvflare
 SITES = ["site-1", "site-2"]
 
 

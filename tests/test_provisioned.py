@@ -23,8 +23,7 @@ from helpers import tls_reply
 
 REPO = Path(__file__).resolve().parents[1]
 # aiohttp (inside nvflare's TLS connector) warns about its own API
-# POC and provisioned systems run one at a time, on one xdist worker (scripts/test.sh runs -n 2)
-pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"), pytest.mark.xdist_group("deployment")]
+pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning")]
 SITES = ["site-1", "site-2"]
 SPARE = "site-3"  # provisioned in both projects, never started from the real one: the foreign kit's name
 CLASSES = ["c0", "c1", "c2", "c3"]

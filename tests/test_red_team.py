@@ -23,8 +23,7 @@ from fedpartial_tools.jobs.packaging import package_job
 from test_provisioned import CLASSES, _write_sites
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"),
-              pytest.mark.xdist_group("deployment")]
+pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning")]
 SITES = ["site-1", "site-2"]
 DATASET = "demo"
 OVERRIDES = ["num_rounds=1", "server.min_clients=2", f"model.class_names={json.dumps(CLASSES)}",

@@ -20,8 +20,7 @@ from fedpartial_tools.deploy import admin
 from helpers import running_system
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning"),
-              pytest.mark.xdist_group("deployment")]
+pytestmark = [pytest.mark.filterwarnings("ignore:ssl_context is deprecated:DeprecationWarning")]
 SITES = ["site-1", "site-2"]
 CLASSES = ["c0", "c1", "c2", "c3"]
 # training images per class at each site; site-1 annotates c0, c1 and site-2 c2, c3 (label-set mismatch)
