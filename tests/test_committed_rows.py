@@ -120,7 +120,7 @@ def test_the_sites_val_pool_does_not_depend_on_the_order_the_sites_answered_in()
 def test_two_trainings_side_by_side_give_the_rows_of_a_serial_run(tmp_path):
     """bench --parallel 2: each training its own simulator process, the same rows as one after the
     other; the committed rows then stand in for a third run, which trains nothing."""
-    from fedpartial_tools.bench import runner
+    from fedpartial_tools.bench import kept as runner_kept, runner
 
     quick = ["rule_args.local_epochs=0.05", 'model.arch_args={"width": 8, "depth": 2}']
     rows = {}
@@ -205,3 +205,53 @@ def test_the_hash_sees_what_a_profile_default_comes_to(monkeypatch):
 
     monkeypatch.setattr(job_settings_module, "constructor_defaults", changed)
     assert committed.settings_hash("fedavg", ["seed=0"], "cpu") != before
+
+
+def _trained_ws(ws, job="fedavg", sets=("seed=0",), model_bytes=b"weights"):
+    from fedpartial_tools.bench import kept as runner_kept, runner
+
+    ws.mkdir(parents=True)
+    (ws / "global_model.pt").write_bytes(model_bytes)
+    (ws / "best_global_model.pt").write_bytes(b"best")
+    (ws / "metrics.json").write_text(json.dumps({"rounds": []}))
+    (ws / runner.TRAINED_FILE).write_text(json.dumps({"job": job, "sets": list(sets), "seconds": 42.0}))
+
+
+def test_a_training_chosen_on_val_is_kept_and_scored_on_test_in_a_later_session(tmp_path, monkeypatch):
+    """bench --select-on val keeps the model beside the rows; a later --reuse (another machine, no
+    workspace left) scores that model on test without training it again, with the seconds it took."""
+    from fedpartial_tools.bench import kept as runner_kept, runner
+
+    rows_dir = str(tmp_path / "results" / "rows")
+    kept = runner_kept.kept_training_dir(rows_dir, "fedlsm-ham", "fedavg", 1, "0123abcd")
+    assert kept == str(tmp_path / "results" / "models" / "fedlsm-ham" / "fedavg-seed1-0123abcd")
+    _trained_ws(tmp_path / "first" / "ws")
+    assert runner_kept.keep_training(str(tmp_path / "first" / "ws"), kept).startswith("kept in")
+    assert sorted(os.listdir(kept)) == ["bench_trained.json", "global_model.pt", "metrics.json"]  # no best model
+    # the later session: an empty workspace, the model restored, nothing trained
+    t = runner.Training("fedlsm-ham", 1, "fedavg", "fedavg", str(tmp_path / "later" / "ws"), str(tmp_path / "sites"),
+                        "source.npz", ["seed=0"])
+    monkeypatch.setattr(committed, "settings_hash", lambda *a: "0123abcd")
+    monkeypatch.setattr("fedpartial_tools.run.simulator.simulate",
+                        lambda *a, **k: pytest.fail("trained again although its model was kept"))
+    scored = []
+
+    def evaluate(name, suite, job, seed, ws, source, seconds, score_on):
+        scored.append((open(os.path.join(ws, "global_model.pt"), "rb").read(), seconds, score_on))
+        return {"suite": name, "method": job, "seed": seed, "scored_on": score_on, "auc": 0.5, "curve": "[]"}
+    monkeypatch.setattr(runner, "_evaluate_row", evaluate)
+    runner.run_training(t, "test", reuse=True, rows_dir=rows_dir, log=lambda *_: None)
+    assert scored == [(b"weights", 42.0, "test")]
+    assert [r["scored_on"] for r in committed.read_committed(os.path.join(rows_dir, "fedlsm-ham.csv"))] == ["test"]
+
+
+def test_a_kept_training_is_the_model_and_no_more_and_a_large_one_is_not_kept(tmp_path):
+    from fedpartial_tools.bench import kept as runner_kept, runner
+
+    _trained_ws(tmp_path / "ws", model_bytes=b"x" * 2000)
+    note = runner_kept.keep_training(str(tmp_path / "ws"), str(tmp_path / "kept"), with_best=True, max_bytes=1000)
+    assert note.startswith("not kept: ") and not (tmp_path / "kept").exists()
+    runner_kept.keep_training(str(tmp_path / "ws"), str(tmp_path / "kept"), with_best=True)
+    assert sorted(os.listdir(tmp_path / "kept")) == ["bench_trained.json", "best_global_model.pt",
+                                                     "global_model.pt", "metrics.json"]
+    assert not runner_kept.restore_training(str(tmp_path / "nothing"), str(tmp_path / "ws2"))

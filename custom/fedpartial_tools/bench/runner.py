@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from fedpartial_tools.bench.kept import TRAINED_FILE, keep_training, kept_training_dir, restore_training
 from fedpartial_tools.bench.native import native_scorer, own_size_metrics
 from fedpartial_tools.bench.overlays import load_for_eval, write_overlays
 from fedpartial_tools.bench.selection import selection_key
@@ -33,11 +34,12 @@ def _curve(metrics_file: str, key: str) -> List[float]:
     rounds = json.load(open(metrics_file))["rounds"]
     out = []
     for r in rounds:
-        pooled = pooled_validation({k: s.get("val") for k, s in r["sites"].items()}) if key.startswith("dice") else None
+        sites = sorted(r["sites"].items())  # site order: a float sum depends on its order
+        pooled = pooled_validation({k: s.get("val") for k, s in sites}) if key.startswith("dice") else None
         if pooled is not None:
             out.append(float(pooled["dice_pooled"]))
             continue
-        vals = [s.get("val", {}).get(key) for s in r["sites"].values()]
+        vals = [s.get("val", {}).get(key) for _, s in sites]
         vals = [v for v in vals if v is not None]
         out.append(float(np.mean(vals)) if vals else float("nan"))
     return out
@@ -261,7 +263,11 @@ def run_training(t: Training, score_on: str = "test", reuse: bool = False, rows_
         return None
     suite = SUITES[t.suite]
     started = time.time()
+    kept = kept_training_dir(rows_dir, t.suite, t.job, t.seed, key_hash) if rows_dir else ""
+    if reuse and trained_before(t.ws, t.folder, t.sets) is None and kept and restore_training(kept, t.ws):
+        log(f"{t.suite} seed {t.seed} {t.job}: its model kept in {kept} (trained in an earlier run)")
     seconds = trained_before(t.ws, t.folder, t.sets) if reuse else None
+    trained_now = seconds is None
     if seconds is None:
         threads = {"torch_threads": torch_threads} if torch_threads else {}
         simulate(find_job(t.folder), t.split_dir, t.ws, t.sets, log=log, **threads)
@@ -277,6 +283,9 @@ def run_training(t: Training, score_on: str = "test", reuse: bool = False, rows_
     # what the federation itself sees: the sites' own val splits, pooled, over the last 5 rounds
     last = [v for v in curve[-5:] if v is not None and np.isfinite(v)]
     row[SITE_VAL_KEY] = float(np.mean(last)) if last else float("nan")
+    if kept and trained_now and score_on != "test":
+        # the test split is read later (bench --reuse), maybe in another session: keep what scores it
+        log(keep_training(t.ws, kept, with_best=any(k.endswith("_best") for k in suite.metrics)))
     if rows_file:
         committed.append_row(rows_file, {**row, "settings_hash": key_hash,
                                          "commit": committed.current_commit(REPO), "device": committed.device_name(),
@@ -292,8 +301,6 @@ SITE_VAL_KEY = "site_val_last5"
 
 
 SCORED_SPLITS = ("test", "val", "val-complete")
-#: what a bench run trained in a job's workspace (``--reuse`` scores it again only with the same settings)
-TRAINED_FILE = "bench_trained.json"
 
 
 def trained_before(ws: str, job: str, sets: Sequence[str]) -> Optional[float]:
