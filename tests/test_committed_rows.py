@@ -254,3 +254,20 @@ def test_a_kept_training_is_the_model_and_no_more_and_a_large_one_is_not_kept(tm
     assert sorted(os.listdir(tmp_path / "kept")) == ["bench_trained.json", "best_global_model.pt",
                                                      "global_model.pt", "metrics.json"]
     assert not runner_kept.restore_training(str(tmp_path / "nothing"), str(tmp_path / "ws2"))
+
+
+def test_a_kept_record_holds_the_rounds_and_the_sites_validation_only(tmp_path):
+    from fedpartial_tools.bench import kept, runner
+
+    record = {"rounds": [{"round": r, "aggregated_at": 1.0 + r, "server": {"trust": {"update_norms": [1.0]}},
+                          "sites": {"site-2": {"val": {"auc": 0.5 + r / 10}, "train_loss": 2.0},
+                                    "site-1": {"val": {"auc": 0.7}, "num_samples": 9}}} for r in range(2)]}
+    trimmed = kept.trimmed_metrics(record)
+    assert trimmed == {"rounds": [{"round": r, "sites": {"site-2": {"val": {"auc": 0.5 + r / 10}},
+                                                         "site-1": {"val": {"auc": 0.7}}}} for r in range(2)]}
+    # the row's curve is the same from either, to the last bit
+    curves = []
+    for name, rec in (("full", record), ("trimmed", trimmed)):
+        (tmp_path / name).write_text(json.dumps(rec))
+        curves.append(runner._curve(str(tmp_path / name), "auc"))
+    assert curves[0] == curves[1] == pytest.approx([0.6, 0.65])

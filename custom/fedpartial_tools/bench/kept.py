@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -29,8 +30,8 @@ def kept_training_dir(rows_dir: str, suite: str, job: str, seed: int, key_hash: 
 
 def keep_training(ws: str, dest: str, with_best: bool = False, max_bytes: int = MAX_KEPT_BYTES) -> str:
     """Copy what scores a trained workspace again into ``dest``: its final model (and best model
-    where the suite scores it), the server's ``metrics.json`` and the bench's record of its
-    settings. A training over ``max_bytes`` is not kept (a paper-scale model belongs outside git);
+    where the suite scores it), the server's ``metrics.json`` (:func:`trimmed_metrics`) and the
+    bench's record of its settings. A training over ``max_bytes`` is not kept (a paper-scale model belongs outside git);
     its test score then needs its workspace or a new training.
 
     Args:
@@ -51,8 +52,27 @@ def keep_training(ws: str, dest: str, with_best: bool = False, max_bytes: int = 
         return f"not kept: {size / 2 ** 20:.1f} MiB is over {max_bytes / 2 ** 20:.0f} MiB; score it from '{ws}'"
     os.makedirs(dest, exist_ok=True)
     for n in present:
-        shutil.copyfile(os.path.join(ws, n), os.path.join(dest, n))
+        if n == "metrics.json":  # what a row reads of it: the rounds and each site's validation
+            with open(os.path.join(ws, n)) as f:
+                record = trimmed_metrics(json.load(f))
+            with open(os.path.join(dest, n), "w") as f:
+                json.dump(record, f)
+        else:
+            shutil.copyfile(os.path.join(ws, n), os.path.join(dest, n))
     return f"kept in {dest} ({size / 2 ** 20:.1f} MiB), for its test score later"
+
+
+def trimmed_metrics(record: dict) -> dict:
+    """The server's ``metrics.json`` as far as a bench row reads it (its number of rounds and the
+    curve of the sites' validation): each round's number and each site's ``val``; a sixth of the
+    file, which also records sizes, losses, timings and the server's trust checks.
+
+    Args:
+        record: the server's ``metrics.json``.
+    """
+    return {"rounds": [{"round": r.get("round"),
+                        "sites": {site: {"val": m.get("val", {})} for site, m in r.get("sites", {}).items()}}
+                       for r in record.get("rounds", [])]}
 
 
 def restore_training(kept: str, ws: str) -> bool:
