@@ -232,7 +232,39 @@ def test_the_gate_refuses_other_config_formats(tmp_path):
     app = _deploy(site, _job(tmp_path), "site-1")
     (app / "config" / "config_fed_client.conf").write_text('x = ${?SECRET}')
     err, _ = JobGate().validate(str(app))
-    assert "its app holds ['config_fed_client.conf']; a job's configs are JSON only" in err, err
+    assert "its app holds ['config/config_fed_client.conf']; a job's app is its configs" in err, err
+
+
+@pytest.mark.parametrize("planted", [
+    # found by a job process walking the kit: would import every .py of ./drv as a communication driver
+    {"config/comm_config.json": '{"comm_driver_path": "drv"}', "drv/probe.py": "import os"},
+    {"config/resources.json": '{"allow_log_streaming": true}'},  # would stand for the kit's own
+    {"config/log_config.json": "{}"},
+    {"probe.py": "import os"},
+    {"config/nested/.__nvfl_sig.json.py": "x"},
+])
+def test_the_gate_refuses_every_file_of_an_app_but_its_configs_and_flares_signature(tmp_path, planted):
+    site = _kit(tmp_path, False)
+    app = _deploy(site, _job(tmp_path), "site-1")
+    for rel, text in planted.items():
+        (app / rel).parent.mkdir(parents=True, exist_ok=True)
+        (app / rel).write_text(text)
+    err, _ = JobGate("client").validate(str(app))
+    assert err.startswith(f"site 'site-1' refuses the job: its app holds {sorted(planted)}"), err
+
+
+def test_the_gate_passes_flares_signature_and_refuses_links(tmp_path):
+    site = _kit(tmp_path, False)
+    app = _deploy(site, _job(tmp_path), "site-1")
+    for folder in (app, app / "config"):  # what FLARE's deployment of a signed job leaves
+        (folder / ".__nvfl_sig.json").write_text("{}")
+        (folder / ".__nvfl_submitter.crt").write_text("cert")
+    assert JobGate("client").validate(str(app)) == ("", {})
+    (app / "config" / ".__nvfl_submitter.crt").unlink()
+    (app / "config" / ".__nvfl_submitter.crt").symlink_to(site / "local")
+    (app / "elsewhere").symlink_to(site / "local", target_is_directory=True)
+    err, _ = JobGate("client").validate(str(app))
+    assert "its app holds ['config/.__nvfl_submitter.crt', 'elsewhere']" in err, err
 
 
 LIMIT_ATTACKS = [  # (overrides, side, the limit named, message part)
@@ -283,6 +315,9 @@ def test_the_round0_model_comes_from_the_server_kit_never_the_jobs_app_folder(tm
     (job / "app" / "crafted.pt").write_bytes(b"weights the job brings")
     app = _deploy(server, job, "server")
     err, _ = JobGate().validate(str(app))
+    assert "the server refuses the job: its app holds ['crafted.pt']" in err, err  # the job cannot bring it
+    (app / "crafted.pt").unlink()
+    err, _ = JobGate().validate(str(app))  # nor name a file of its own, wherever it is
     assert ("the server refuses the job: its 'model.pretrained' ('crafted.pt') is not in "
             "its kit's pretrained/ folder; the server's operator places the weights") in err, err
     (server / "pretrained").mkdir()
@@ -407,3 +442,30 @@ def test_a_gate_that_fails_unexpectedly_refuses_naming_only_the_kind_of_error(tm
         RuntimeError(f"meta tensor failure in {site}/local")))
     err, _ = JobGate().validate(str(app))
     assert err == "site 'site-1' refuses the job: its configs could not be checked (RuntimeError)", err
+
+
+def test_a_site_refuses_to_resize_its_images_beyond_its_limit(tmp_path):
+    """The job sets the input size, the site holds the images: 10,000 RGB images at 1024 px are
+    10,000 x 1024 x 1024 x 3 x 4 bytes = 117.2 GiB of float32, refused before anything is resized."""
+    from fedpartial.flare.executors import load_site_dataset
+    from fedpartial.flare.site_config import check_resized, resized_gib
+
+    assert resized_gib(10_000, (1024, 1024), 3) == pytest.approx(10_000 * 1024 * 1024 * 3 * 4 / 2 ** 30)
+    with pytest.raises(ValueError, match=r"site 'site-1' refuses the job: 10,000 images of 'site-1.npz' at "
+                                         r"1024x1024 px = 117.2 GiB is beyond this participant's limit of 32 GiB "
+                                         r"\('max_resized_gib'"):
+        check_resized(10_000, (1024, 1024), 3, LIMITS["max_resized_gib"], "site 'site-1'", "/data/x/site-1.npz")
+    check_resized(250, (64, 64), 3, LIMITS["max_resized_gib"], "site 'site-1'", "site-1.npz")  # 12 MiB passes
+    # at load time, before resizing: site-1 of tests/test_provisioned.py holds 48 RGB images of 16 px;
+    # at 512 px they are 48 x 512 x 512 x 3 x 4 bytes = 0.14 GiB
+    import numpy as np
+
+    from test_provisioned import CLASSES, _write_sites
+
+    _write_sites(tmp_path, np.random.default_rng(0))
+    settings = {"task": "single-label", "class_names": CLASSES, "in_channels": 3, "input_size": [512, 512]}
+    with pytest.raises(ValueError, match=r"48 images of 'site-1.npz' at 512x512 px = 0.1 GiB is beyond this "
+                                         r"participant's limit of 0.1 GiB"):
+        load_site_dataset(str(tmp_path / "site-1.npz"), "site-1", settings, max_resized_gib=0.1)
+    assert load_site_dataset(str(tmp_path / "site-1.npz"), "site-1", settings,
+                             max_resized_gib=0.2).splits["train"].images.shape[1:3] == (512, 512)

@@ -498,5 +498,28 @@ def test_the_round0_model_cannot_come_with_the_job(system, tmp_path):
     job = _job(tmp_path, "crafted_start", ['model.pretrained="crafted.pt"'])
     (job / "app" / "crafted.pt").write_bytes(b"not the consortium's weights")
     result = _run(system, tmp_path, job)
-    _refused_at_deployment(system, tmp_path, result, "the server refuses the job: its 'model.pretrained' "
-                                                     "('crafted.pt') is not in ")
+    # an app holds its two configs only; naming a file not in the server kit's pretrained/ is refused
+    # on its own (tests/test_job_schema.py)
+    _refused_at_deployment(system, tmp_path, result, "the server refuses the job: its app holds ['crafted.pt']")
+
+
+@pytest.mark.slow
+def test_a_job_cannot_bring_files_a_participant_reads_as_its_own(system, tmp_path):
+    """A job process looks for comm_config.json by walking its kit, job folders included, and loads
+    every .py of the folder it names as a communication driver: a job without code ran its own
+    Python at the server and at every site, and sent the server's environment to the lead. Each
+    site's gate refuses an app holding any file but its configs (the server's app here is clean)."""
+    marker = tmp_path / "pwned_comm"
+    job = _job(tmp_path, "comm_driver")
+    _two_apps(job)
+    (job / "app" / "config" / "comm_config.json").write_text(json.dumps({"comm_driver_path": "."}))
+    (job / "app" / "drv").mkdir()
+    (job / "app" / "drv" / "probe.py").write_text(
+        f"import os\nopen({str(marker)!r}, 'w').write(os.environ.get({SECRET_VAR!r}, ''))\n")
+    result = _run(system, tmp_path, job)
+    _refused_at_deployment(system, tmp_path, result,
+                           "refuses the job: its app holds ['config/comm_config.json', 'drv/probe.py']",
+                           where=("site-1_main", "site-2_main"))
+    _no_marker(system, tmp_path)
+    for site in SITES:  # nothing of the app stays in the kit for a later job's walk to find
+        assert not list((system["prod"] / site).rglob("comm_config.json")), site

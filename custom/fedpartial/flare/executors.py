@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from types import SimpleNamespace
+from typing import Optional
 
 import numpy as np
 import torch
@@ -24,8 +25,8 @@ from fedpartial.data.types import SEGMENTATION
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_IMAGES_SEEN, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE,
                                      build_model_from_settings, model_settings, runtime_description,
                                      runtime_version_error)
-from fedpartial.flare.site_config import (SITE_CONFIG, check_data_file, check_limits, confined, load_site_config,
-                                          offered_data_root, site_rules)
+from fedpartial.flare.site_config import (SITE_CONFIG, check_data_file, check_limits, check_resized, confined,
+                                          load_site_config, offered_data_root, site_rules)
 from fedpartial.training.common import (DRAWS, check_memory_format, load_state_numpy, place_model, select_device,
                                         state_dict_numpy)
 
@@ -69,7 +70,8 @@ def resolve_data_file(data_root: str, pattern: str, site: str) -> str:
                             + f" not found (data_root='{root}', data_file='{pattern}')")
 
 
-def load_site_dataset(path: str, site: str, settings: dict, cache_dir: str = "", provisioned: bool = False):
+def load_site_dataset(path: str, site: str, settings: dict, cache_dir: str = "", provisioned: bool = False,
+                      max_resized_gib: Optional[float] = None):
     """Load and check a site file against the job's model block; resize to the job's input size.
 
     A site folder stays memory-mapped; when its images are not at ``input_size`` they are resized
@@ -83,6 +85,7 @@ def load_site_dataset(path: str, site: str, settings: dict, cache_dir: str = "",
         cache_dir: where a site folder's resized copy goes (default ``<folder>/cache``).
         provisioned: a provisioned site: a complete-label reference copy (``split``'s
             ``reference/``) is refused, whatever the job's ``data_file`` says.
+        max_resized_gib: the site's limit on its images at the job's input size (None: none).
     """
     from fedpartial.data.sitefile import cached_resize, is_site_folder, load_site_file
     from fedpartial.data.transforms import resize_dataset
@@ -104,6 +107,9 @@ def load_site_dataset(path: str, site: str, settings: dict, cache_dir: str = "",
     size = tuple(settings.get("input_size") or (0, 0))
     if not any(size):
         return data
+    if max_resized_gib is not None:
+        check_resized(sum(len(split.images) for split in data.splits.values()), size, channels, max_resized_gib,
+                      f"site '{site}'", path)
     # a folder may not fit in memory: resize it once into a memory-mapped cache
     if is_site_folder(path):
         return cached_resize(data, size, path, cache_dir=cache_dir or None)
@@ -282,7 +288,8 @@ class FedPartialExecutor(Executor):
         rule = build_rule("client", self.rule_path, self.rule_args)
         torch.set_num_threads(max(1, int(os.environ.get("FEDPARTIAL_THREADS", torch.get_num_threads()))))
         self.device = select_device(self.device_name)
-        self.data = load_site_dataset(data_path, self.site, self.settings, cache_dir, site_config is not None)
+        self.data = load_site_dataset(data_path, self.site, self.settings, cache_dir, site_config is not None,
+                                      self.rules["max_resized_gib"] if site_config is not None else None)
         reference = load_site_dataset(reference_path, self.site, self.settings) if reference_path else None
         os.makedirs(state_dir, exist_ok=True)
         if self.tensorboard:

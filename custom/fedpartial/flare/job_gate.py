@@ -11,8 +11,10 @@ as the job ships them, and refuses:
 * anything outside the schema or filled in from the participant's world
   (:func:`fedpartial.flare.job_schema.check_config`): the server also checks the client config
   when the app carries one, so most jobs are refused before any site receives them;
-* a config format other than JSON (FLARE also reads ``.conf`` / ``.yml`` configs, with their own
-  substitutions);
+* any file of the app but its two JSON configs and FLARE's signature (:func:`stray_files`): FLARE
+  also reads ``.conf`` / ``.yml`` configs, with their own substitutions, and a job process looks for
+  ``comm_config.json``, ``resources.json`` and others by walking the participant's kit, job folders
+  included;
 * at this participant, a job asking more than its limits (:func:`fedpartial.flare.site_config.check_limits`);
 * at a provisioned server, a round-0 model (``model.pretrained``, ``resume_from``) that is not in
   the server kit's own folders (:func:`fedpartial.flare.site_config.check_server_files`).
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from nvflare.apis.app_validation import AppValidator
 
@@ -35,8 +37,36 @@ from fedpartial.flare.site_config import (check_limits, check_server_files, load
 
 GATE_PATH = "fedpartial.flare.job_gate.JobGate"
 APP_PREFIX = "app_"
-#: what FLARE reads a job config from besides JSON (fuel.utils.config.ConfigFormat)
-OTHER_FORMATS = (".conf", ".yml", ".yaml", ".json.default", ".conf.default", ".yml.default", ".yaml.default")
+#: what FLARE itself writes into an app it deploys: the job's signature, in every folder
+FLARE_SIGNATURE_FILES = (".__nvfl_sig.json", ".__nvfl_submitter.crt")
+#: the folder of a job's own code: FLARE's byoc, allowed or refused by the participant's authorization
+CODE_FOLDER = "custom"
+
+
+def stray_files(app_folder: str) -> List[str]:
+    """Every file or link of a deployed app that is neither one of its two configs
+    (``config/config_fed_{server,client}.json``), FLARE's signature files, nor (when the app has a
+    ``custom/`` folder) its code, relative to the app. A job process finds several of its own
+    configuration files by walking the participant's kit, job folders included (FLARE's
+    ``ConfigFactory.search_config_format``): a ``comm_config.json`` in a job would load the Python
+    files of a folder it names as communication drivers, a ``resources.json`` or ``log_config.json``
+    stand for the kit's own. So a job's app holds its two configs and nothing else.
+
+    Args:
+        app_folder: the app as deployed.
+    """
+    allowed = {os.path.join("config", name) for name in CONFIG_FILES.values()}
+    stray = []
+    for root, dirs, files in os.walk(app_folder):
+        rel_root = os.path.relpath(root, app_folder)
+        if rel_root.split(os.sep)[0] == CODE_FOLDER:
+            continue
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            rel = os.path.normpath(os.path.join(rel_root, name))
+            link = os.path.islink(os.path.join(root, name))
+            if link or not (rel in allowed or name in FLARE_SIGNATURE_FILES):
+                stray.append(rel)
+    return sorted(stray)
 
 
 def check_app(app_folder: str, side: str, workspace_root: str, where: str) -> Dict[str, object]:
@@ -55,12 +85,14 @@ def check_app(app_folder: str, side: str, workspace_root: str, where: str) -> Di
         ValueError: why the participant refuses the job.
     """
     folder = os.path.join(app_folder, "config")
-    byoc = os.path.isdir(os.path.join(app_folder, "custom"))
-    names = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    other = [n for n in names if n.startswith("config_fed_") and n.endswith(OTHER_FORMATS)]
-    if other:
-        raise ValueError(f"{where} refuses the job: its app holds {other}; a job's configs are JSON only "
-                         f"({', '.join(CONFIG_FILES.values())})")
+    byoc = os.path.isdir(os.path.join(app_folder, CODE_FOLDER)) and not os.path.islink(
+        os.path.join(app_folder, CODE_FOLDER))
+    stray = stray_files(app_folder)
+    if stray:
+        shown = stray[:5] + ([f"... {len(stray) - 5} more"] if len(stray) > 5 else [])
+        raise ValueError(f"{where} refuses the job: its app holds {shown}; a job's app is its configs "
+                         f"(config/{', config/'.join(CONFIG_FILES.values())}, JSON) and nothing else: FLARE "
+                         f"would read other files of a job as this participant's own")
     sides = [side] + ([CLIENT] if side == SERVER else [])
     config = load_site_config(workspace_root)
     rules = site_rules(config)

@@ -128,6 +128,9 @@ LIMITS = {
     # largest layers), estimated on torch's meta device: DenseNet-121 at 224 px, batch 64, is about
     # 9; what a width, stride or input size can ask is unbounded otherwise
     "max_activation_gib": 16,
+    # GiB of the site's images at the job's input size, as float32: held in memory for a .npz, on
+    # disk (fedpartial_cache) for a site folder; 250 images of 28 px asked at 1024 px are 3 GiB
+    "max_resized_gib": 32,
 }
 MIN_COUNT = FLOORS["min_count"]
 MAX_INPUT_SIZE = LIMITS["max_input_size"]
@@ -317,6 +320,34 @@ def check_limits(checked, rules: dict, where: str, source: str) -> None:
         rounds = args.get("num_rounds") if name == "ScatterAndGather" else None
         if isinstance(rounds, int) and rounds > rules["max_rounds"]:
             refuse(f"{name} num_rounds", rounds, "max_rounds")
+
+
+def resized_gib(num_images: int, size, channels: int) -> float:
+    """GiB of ``num_images`` images resized to ``size`` (H, W) with ``channels``, as float32."""
+    return num_images * int(size[0]) * int(size[1]) * max(1, int(channels)) * 4 / 2 ** 30
+
+
+def check_resized(num_images: int, size, channels: int, limit_gib: float, where: str, path: str) -> None:
+    """Refuse to resize a site's images to the job's input size beyond ``max_resized_gib``: the
+    resized copy is held in memory (a .npz) or written to disk (a site folder's cache), and the job
+    sets the size.
+
+    Args:
+        num_images: images in every split of the site's file.
+        size: the job's ``input_size``.
+        channels: channels of an image.
+        limit_gib: the participant's ``max_resized_gib``.
+        where: who refuses.
+        path: the site's file, for the message (named by its file name only).
+
+    Raises:
+        ValueError: naming the images, the size and the limit.
+    """
+    gib = resized_gib(num_images, size, channels)
+    if gib > limit_gib:
+        raise ValueError(f"{where} refuses the job: {num_images:,} images of '{os.path.basename(path)}' at "
+                         f"{int(size[0])}x{int(size[1])} px = {gib:,.1f} GiB is beyond this participant's limit of "
+                         f"{limit_gib:,} GiB ('max_resized_gib' in local/fedpartial_site.json)")
 
 
 def _activations(model: dict, rule_args: dict, where: str) -> tuple:
