@@ -171,9 +171,11 @@ def test_a_suite_line_from_hand_rows_and_only_complete_seeds():
             _t("fedlsm-ham", "fedavg", 2, 0.99)]  # seed 2: no method row yet -> left out
     kept = summary.complete_seeds(rows)
     assert sorted({r["seed"] for r in kept}) == [0, 1]
-    # means: FedAvg 0.81, full 0.91, FedLSM 0.83 -> gap (0.83 - 0.81) / 0.10 = 20 %; below FedAvg on seed 1
+    # means: FedAvg 0.81, compute-matched 0.835, full 0.91, FedLSM 0.83 -> gap (0.83 - 0.81) / 0.10 = 20 %
+    # over FedAvg, (0.83 - 0.835) / 0.075 = -7 % over its compute; below both on seed 1 (0.81 < 0.82, < 0.84)
     assert summary.suite_line("fedlsm-ham", kept) == (
-        "| fedlsm-ham | auc | 2 | 0.810 ± 0.014 | 0.835 ± 0.007 | 0.910 ± 0.014 | 0.830 ± 0.028 | 20 % | 1 of 2 (1) |")
+        "| fedlsm-ham | auc | 2 | 0.810 ± 0.014 | 0.835 ± 0.007 | 0.910 ± 0.014 | 0.830 ± 0.028 | 20 % / -7 % "
+        "| 1 of 2 (1) / 1 of 2 (1) |")
 
 
 def test_a_candidate_is_read_from_the_settings_a_row_ran_with():
