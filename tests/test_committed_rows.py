@@ -209,7 +209,7 @@ def test_the_hash_sees_what_a_profile_default_comes_to(monkeypatch):
 
 
 def _trained_ws(ws, job="fedavg", sets=("seed=0",), model_bytes=b"weights"):
-    from fedpartial_tools.bench import kept as runner_kept, runner
+    from fedpartial_tools.bench import kept as bench_kept, runner
 
     ws.mkdir(parents=True)
     (ws / "global_model.pt").write_bytes(model_bytes)
@@ -221,13 +221,13 @@ def _trained_ws(ws, job="fedavg", sets=("seed=0",), model_bytes=b"weights"):
 def test_a_training_chosen_on_val_is_kept_and_scored_on_test_in_a_later_session(tmp_path, monkeypatch):
     """bench --select-on val keeps the model beside the rows; a later --reuse (another machine, no
     workspace left) scores that model on test without training it again, with the seconds it took."""
-    from fedpartial_tools.bench import kept as runner_kept, runner
+    from fedpartial_tools.bench import kept as bench_kept, runner
 
     rows_dir = str(tmp_path / "results" / "rows")
-    kept = runner_kept.kept_training_dir(rows_dir, "fedlsm-ham", "fedavg", 1, "0123abcd")
+    kept = bench_kept.kept_training_dir(rows_dir, "fedlsm-ham", "fedavg", 1, "0123abcd")
     assert kept == str(tmp_path / "results" / "models" / "fedlsm-ham" / "fedavg-seed1-0123abcd")
     _trained_ws(tmp_path / "first" / "ws")
-    assert runner_kept.keep_training(str(tmp_path / "first" / "ws"), kept).startswith("kept in")
+    assert bench_kept.keep_training(str(tmp_path / "first" / "ws"), kept).startswith("kept in")
     assert sorted(os.listdir(kept)) == ["bench_trained.json", "global_model.pt", "metrics.json"]  # no best model
     # the later session: an empty workspace, the model restored, nothing trained
     t = runner.Training("fedlsm-ham", 1, "fedavg", "fedavg", str(tmp_path / "later" / "ws"), str(tmp_path / "sites"),
@@ -247,15 +247,15 @@ def test_a_training_chosen_on_val_is_kept_and_scored_on_test_in_a_later_session(
 
 
 def test_a_kept_training_is_the_model_and_no_more_and_a_large_one_is_not_kept(tmp_path):
-    from fedpartial_tools.bench import kept as runner_kept, runner
+    from fedpartial_tools.bench import kept as bench_kept, runner
 
     _trained_ws(tmp_path / "ws", model_bytes=b"x" * 2000)
-    note = runner_kept.keep_training(str(tmp_path / "ws"), str(tmp_path / "kept"), with_best=True, max_bytes=1000)
+    note = bench_kept.keep_training(str(tmp_path / "ws"), str(tmp_path / "kept"), with_best=True, max_bytes=1000)
     assert note.startswith("not kept: ") and not (tmp_path / "kept").exists()
-    runner_kept.keep_training(str(tmp_path / "ws"), str(tmp_path / "kept"), with_best=True)
+    bench_kept.keep_training(str(tmp_path / "ws"), str(tmp_path / "kept"), with_best=True)
     assert sorted(os.listdir(tmp_path / "kept")) == ["bench_trained.json", "best_global_model.pt",
                                                      "global_model.pt", "metrics.json"]
-    assert not runner_kept.restore_training(str(tmp_path / "nothing"), str(tmp_path / "ws2"))
+    assert not bench_kept.restore_training(str(tmp_path / "nothing"), str(tmp_path / "ws2"))
 
 
 def test_a_kept_record_holds_the_rounds_and_the_sites_validation_only(tmp_path):

@@ -85,8 +85,7 @@ def check_app(app_folder: str, side: str, workspace_root: str, where: str) -> Di
         ValueError: why the participant refuses the job.
     """
     folder = os.path.join(app_folder, "config")
-    byoc = os.path.isdir(os.path.join(app_folder, CODE_FOLDER)) and not os.path.islink(
-        os.path.join(app_folder, CODE_FOLDER))
+    byoc = os.path.isdir(os.path.join(app_folder, CODE_FOLDER))  # a linked custom/ is a stray file
     stray = stray_files(app_folder)
     if stray:
         shown = stray[:5] + ([f"... {len(stray) - 5} more"] if len(stray) > 5 else [])

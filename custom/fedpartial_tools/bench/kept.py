@@ -9,8 +9,6 @@ import shutil
 
 #: what a bench run trained in a job's workspace (``--reuse`` scores it again only with the same settings)
 TRAINED_FILE = "bench_trained.json"
-
-
 #: the most a kept training may take in the repository (a small CPU model is about 0.4 MB)
 MAX_KEPT_BYTES = 8 * 2 ** 20
 
@@ -24,8 +22,7 @@ def kept_training_dir(rows_dir: str, suite: str, job: str, seed: int, key_hash: 
         suite / job / seed: the training.
         key_hash: :func:`fedpartial_tools.bench.rows.settings_hash` of its settings.
     """
-    base = os.path.dirname(rows_dir.rstrip("/")) if rows_dir else ""
-    return os.path.join(base, "models", suite, f"{job}-seed{seed}-{key_hash}")
+    return os.path.join(os.path.dirname(rows_dir.rstrip("/")), "models", suite, f"{job}-seed{seed}-{key_hash}")
 
 
 def keep_training(ws: str, dest: str, with_best: bool = False, max_bytes: int = MAX_KEPT_BYTES) -> str:

@@ -264,9 +264,10 @@ def run_training(t: Training, score_on: str = "test", reuse: bool = False, rows_
     suite = SUITES[t.suite]
     started = time.time()
     kept = kept_training_dir(rows_dir, t.suite, t.job, t.seed, key_hash) if rows_dir else ""
-    if reuse and trained_before(t.ws, t.folder, t.sets) is None and kept and restore_training(kept, t.ws):
-        log(f"{t.suite} seed {t.seed} {t.job}: its model kept in {kept} (trained in an earlier run)")
     seconds = trained_before(t.ws, t.folder, t.sets) if reuse else None
+    if reuse and seconds is None and kept and restore_training(kept, t.ws):
+        log(f"{t.suite} seed {t.seed} {t.job}: its model kept in {kept} (trained in an earlier run)")
+        seconds = trained_before(t.ws, t.folder, t.sets)
     trained_now = seconds is None
     if seconds is None:
         threads = {"torch_threads": torch_threads} if torch_threads else {}
