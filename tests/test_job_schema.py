@@ -469,3 +469,33 @@ def test_a_site_refuses_to_resize_its_images_beyond_its_limit(tmp_path):
         load_site_dataset(str(tmp_path / "site-1.npz"), "site-1", settings, max_resized_gib=0.1)
     assert load_site_dataset(str(tmp_path / "site-1.npz"), "site-1", settings,
                              max_resized_gib=0.2).splits["train"].images.shape[1:3] == (512, 512)
+
+
+# ---- the job's meta at submission --------------------------------------------------------------
+def test_the_submission_gate_passes_every_shipped_jobs_meta_and_refuses_a_chosen_id_or_other_keys():
+    from fedpartial.flare.job_gate import meta_error
+
+    for meta_file in sorted((REPO / "jobs").glob("*/meta.json")):
+        meta = json.loads(meta_file.read_text())
+        assert meta_error({**meta, "study": "default", "byoc": True}) == "", meta_file
+    meta = json.loads((REPO / "jobs" / "fedavg" / "meta.json").read_text())
+    assert "its meta sets 'job_id' ('local')" in meta_error({**meta, "job_id": "local"})
+    assert "its meta holds ['launcher_spec', 'leak']" in meta_error({**meta, "leak": "x", "launcher_spec": {}})
+
+
+def test_a_participant_reads_configs_as_json_only_once_its_gate_is_built(monkeypatch):
+    from nvflare.fuel.utils.config import ConfigFormat
+    from nvflare.fuel.utils.config_factory import ConfigFactory
+
+    from fedpartial.flare.job_gate import SubmissionGate
+
+    monkeypatch.setattr(ConfigFactory, "_fmt2Loader", dict(ConfigFactory._fmt2Loader))  # restored after
+    monkeypatch.setenv("FEDPARTIAL_TEST_SECRET", "s3cr3t")
+    hocon = 'name = "x"\nleak = ${?FEDPARTIAL_TEST_SECRET}'
+    assert ConfigFactory.get_config_loader(ConfigFormat.PYHOCON).load_config_from_str(hocon).to_dict()["leak"] == \
+        "s3cr3t"  # FLARE as installed
+    SubmissionGate()
+    for fmt in (ConfigFormat.PYHOCON, ConfigFormat.OMEGACONF):
+        with pytest.raises(ValueError, match="as JSON only"):
+            ConfigFactory.get_config_loader(fmt).load_config_from_str(hocon)
+    assert ConfigFactory.get_config_loader(ConfigFormat.JSON).load_config_from_str('{"a": 1}').to_dict() == {"a": 1}

@@ -200,7 +200,9 @@ def test_log_streaming_and_prefixes_are_explicit_opt_ins(prod):
     # the job log streamer the site's streamer adds to every job must pass the site's allow-list
     assert site["class_allow_list"] == list(CLASS_ALLOW_LIST) + ["fedpartial.flare.", JOB_LOG_STREAMER]
     server = builder.resources(server_default, site=False)
-    assert server["components"] == server_default["components"]
+    # the server adds only its check of a job's meta at submission
+    assert server["components"] == server_default["components"] + [
+        {"id": "submission_gate", "path": "fedpartial.flare.job_gate.SubmissionGate", "args": {}}]
     assert server["class_allow_list"] == list(CLASS_ALLOW_LIST) + ["fedpartial.flare."]
     for bad, match in [({"class_allow_list": ["fedpartial."]}, "class_allow_list entry 'fedpartial.' must be an "
                                                                "exact dotted class path"),

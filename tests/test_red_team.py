@@ -523,3 +523,57 @@ def test_a_job_cannot_bring_files_a_participant_reads_as_its_own(system, tmp_pat
     _no_marker(system, tmp_path)
     for site in SITES:  # nothing of the app stays in the kit for a later job's walk to find
         assert not list((system["prod"] / site).rglob("comm_config.json")), site
+
+
+# ---- the job's meta, at submission -------------------------------------------------------------
+def _submit_refused(system, job: Path) -> str:
+    """Submit ``job`` as the lead; the server must refuse it at submission. Returns its message,
+    after checking that no stored job holds the participants' secret."""
+    from nvflare.fuel.flare_api.api_spec import InvalidJobDefinition
+
+    session = admin.new_admin_session(system["kits"]["lead"], timeout=30)
+    try:
+        with pytest.raises(InvalidJobDefinition) as refused:
+            session.submit_job(str(job))
+        stored = json.dumps(session.list_jobs(detailed=True))
+    finally:
+        session.close()
+    assert SECRET not in stored and SECRET not in str(refused.value)
+    return str(refused.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job_id", ["local", "startup"])
+def test_a_job_cannot_name_itself_after_a_folder_of_the_kits(system, tmp_path, job_id):
+    """FLARE takes a job_id from meta.json and empties the kit's folder of that name at every
+    participant before the job gate runs: "local" deleted every kit's policies (resources.json,
+    privacy.json, authorization.json, fedpartial_site.json), "startup" its certificates."""
+    job = _job(tmp_path, "chosen_id")
+    meta = json.loads((job / "meta.json").read_text())
+    (job / "meta.json").write_text(json.dumps({**meta, "job_id": job_id}))
+    kept = {p: p.read_bytes() for kit in ["localhost"] + SITES for p in (system["prod"] / kit / job_id).iterdir()
+            if p.is_file()}
+    message = _submit_refused(system, job)
+    assert f"the server refuses the job: its meta sets 'job_id' ('{job_id}')" in message, message
+    for path, content in kept.items():
+        assert path.is_file() and path.read_bytes() == content, path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["meta.conf", "app/config/config_fed_server.conf"])
+def test_a_hocon_meta_or_config_reads_nothing_of_the_servers_world(system, tmp_path, where):
+    """FLARE parses meta.conf / config_fed_server.conf with pyhocon at submission, in the server's
+    process, and stores the parsed meta for the lead to read: ${?VAR} gave the server's environment,
+    include file(...) any JSON the server can read (its site config, the provisioning state's root
+    CA key), include url(...) internal addresses. The server reads a job only as JSON."""
+    job = _job(tmp_path, "hocon")
+    json_file = job / where.replace(".conf", ".json")
+    content = json.loads(json_file.read_text())
+    json_file.unlink()
+    site_config = system["prod"] / "localhost" / "local" / "fedpartial_site.json"
+    hocon = json.dumps(content)[:-1] + (f', "leak_env": ${{?{SECRET_VAR}}}, '
+                                       f'"leak_file": {{ include file("{site_config}") }} }}')
+    (job / where).write_text(hocon)
+    message = _submit_refused(system, job)
+    assert "reads a job's meta and configs as JSON only" in message, message
+    assert "max_resized_gib" not in message

@@ -21,6 +21,10 @@ as the job ships them, and refuses:
 
 The message names the participant, file, component, argument and the value as the job wrote it,
 never what FLARE would have made of it.
+
+Before any of that, at submission, the server's :class:`SubmissionGate` (a component of its
+``local/resources.json``) refuses a job whose meta sets anything but FLARE's job keys
+(:func:`meta_error`), and keeps every config and meta of a job to JSON (:func:`json_configs_only`).
 """
 from __future__ import annotations
 
@@ -30,12 +34,23 @@ import os
 from typing import Dict, List, Optional, Tuple
 
 from nvflare.apis.app_validation import AppValidator
+from nvflare.apis.event_type import EventType
+from nvflare.apis.fl_component import FLComponent
+from nvflare.apis.fl_constant import FLContextKey
+from nvflare.apis.fl_context import FLContext
+from nvflare.fuel.utils.config import ConfigFormat, ConfigLoader
+from nvflare.fuel.utils.config_factory import ConfigFactory
 
 from fedpartial.flare.job_schema import CLIENT, CONFIG_FILES, SERVER, check_config
 from fedpartial.flare.site_config import (check_limits, check_server_files, load_site_config, site_config_path,
                                           site_rules)
 
 GATE_PATH = "fedpartial.flare.job_gate.JobGate"
+SUBMISSION_GATE_PATH = "fedpartial.flare.job_gate.SubmissionGate"
+#: what a job's meta may hold: the keys FLARE reads from a submitter, and the two FLARE sets itself
+#: before the check (``study`` from the admin session, ``byoc`` from the app's contents)
+META_KEYS = ("name", "description", "resource_spec", "min_clients", "mandatory_clients", "deploy_map", "scope",
+             "study", "byoc")
 APP_PREFIX = "app_"
 #: what FLARE itself writes into an app it deploys: the job's signature, in every folder
 FLARE_SIGNATURE_FILES = (".__nvfl_sig.json", ".__nvfl_submitter.crt")
@@ -167,3 +182,67 @@ def gate_error(workspace_root: str, where: str) -> Optional[str]:
         return (f"{where}: its kit's {path} names no app_validator {GATE_PATH} (has {validator!r}), so jobs "
                 f"are not checked before they are deployed; provision the kit with SitePolicyBuilder")
     return ""
+
+
+def meta_error(meta: dict) -> str:
+    """Why the server refuses a submitted job's meta ("" = it does not).
+
+    FLARE takes a ``job_id`` from the meta as the job's name on every participant and empties the
+    kit's folder of that name before the job gate runs, so ``"job_id": "local"`` deletes each kit's
+    policies; any other key is none FLARE or the runtime reads, so nothing of it is kept.
+
+    Args:
+        meta: the job's meta as FLARE parsed it at submission.
+    """
+    if "job_id" in meta:
+        return (f"the server refuses the job: its meta sets 'job_id' ({meta['job_id']!r}); FLARE names each job "
+                f"itself, and a chosen id is the name of a folder in every participant's kit")
+    unknown = sorted(set(meta) - set(META_KEYS))
+    if unknown:
+        return (f"the server refuses the job: its meta holds {unknown}, keys a job may not set "
+                f"(a job's meta.json may hold {list(META_KEYS[:-2])})")
+    return ""
+
+
+class _RefusedFormat(ConfigLoader):
+    """A loader for a config format this participant does not read: every load refuses."""
+
+    def _refuse(self, *args, **kwargs):
+        raise ValueError(f"this participant reads a job's meta and configs as JSON only (meta.json, "
+                         f"config/config_fed_{{server,client}}.json); {self.format.value} is refused: its "
+                         f"parser fills in environment variables, files and URLs")
+
+    load_config = load_config_from_str = load_config_from_dict = _refuse
+
+
+def json_configs_only() -> None:
+    """Make this process read every FLARE config (a job's ``meta`` included) as JSON only.
+
+    FLARE reads ``meta.conf`` and ``config_fed_*.conf`` with pyhocon when a job brings them, at
+    submission, in the server's own process: ``${?VAR}`` fills in its environment, ``include
+    file(...)`` / ``url(...)`` any file it can read and any address it can reach, and the result is
+    stored as the job's meta, which the submitter reads back. FLARE 2.9 has no setting for the formats
+    it reads, so its loaders for HOCON and OmegaConf are replaced by ones that refuse (the red-team
+    suite submits such a meta end to end, so a FLARE that stops reading this table fails it).
+    """
+    for fmt in (ConfigFormat.PYHOCON, ConfigFormat.OMEGACONF):
+        ConfigFactory._fmt2Loader[fmt] = _RefusedFormat(fmt)
+
+
+class SubmissionGate(FLComponent):
+    """The server's check of a job at submission (``local/resources.json`` component, handling
+    FLARE's ``SUBMIT_JOB`` as FLARE's confidential-computing manager does): :func:`meta_error`
+    refuses the job before it is stored. Built in the server's process, it also makes that process
+    read configs as JSON only (:func:`json_configs_only`)."""
+
+    def __init__(self):
+        super().__init__()
+        json_configs_only()
+
+    def handle_event(self, event_type: str, fl_ctx: FLContext):
+        if event_type != EventType.SUBMIT_JOB:
+            return
+        error = meta_error(fl_ctx.get_prop(FLContextKey.JOB_META) or {})
+        if error:
+            self.log_error(fl_ctx, error)
+            fl_ctx.set_prop(FLContextKey.JOB_BLOCK_REASON, error, sticky=False, private=True)

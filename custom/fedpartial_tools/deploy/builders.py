@@ -268,10 +268,13 @@ class SitePolicyBuilder(Builder):
 
     def resources(self, default: dict, site: bool) -> dict:
         """The ``resources.json`` of a site (``site``) or the server from FLARE's ``.default``."""
-        from fedpartial.flare.job_gate import GATE_PATH
+        from fedpartial.flare.job_gate import GATE_PATH, SUBMISSION_GATE_PATH
 
         out = with_class_allow_list(default, self.allow_list(site))
         out[APP_VALIDATOR] = {"path": GATE_PATH, "args": {"side": "client" if site else "server"}}
+        if not site:  # the job's meta, checked at submission, before FLARE stores or deploys the job
+            out = without_components(out, [SUBMISSION_GATE_PATH])
+            out["components"].append({"id": "submission_gate", "path": SUBMISSION_GATE_PATH, "args": {}})
         if self.allow_log_streaming:
             return out
         if site:
