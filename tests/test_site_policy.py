@@ -127,7 +127,10 @@ def test_site_policy_allows_fedpartial_classes_and_no_byoc(tmp_path):
         # (resource manager, job store) unchanged
         assert written["class_allow_list"] == list(CLASS_ALLOW_LIST) and len(default["class_allow_list"]) == 88
         dropped = "site_log_streamer" if kit.startswith("site") else "log_receiver"
-        assert [c for c in written["components"]] == [c for c in default["components"] if c["id"] != dropped]
+        # the server adds its check of a job's meta at submission
+        added = [] if kit.startswith("site") else [{"id": "submission_gate", "args": {},
+                                                    "path": "fedpartial.flare.job_gate.SubmissionGate"}]
+        assert [c for c in written["components"]] == [c for c in default["components"] if c["id"] != dropped] + added
         # the job gate checks every job deployed here against the schema and the kit's limits
         side = "server" if kit == "localhost" else "client"
         assert written["app_validator"] == {"path": "fedpartial.flare.job_gate.JobGate", "args": {"side": side}}
