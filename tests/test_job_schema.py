@@ -165,6 +165,11 @@ ATTACKS = [  # (name, side, change, what the refusal must name)
      "'arch_args' of resnet18 has 'pretrained'"),
     ("width_beyond_the_schema", "client", lambda c: c["model"]["arch_args"].__setitem__("width", 10 ** 6),
      "'width' (1000000) must be in [1, 65536]"),
+    # each executor loads the site's data and builds its model: four idle ones took a site's job
+    # process from 0.49 to 1.2 GB, each within the site's limits
+    ("executors_multiply_the_limits", "client",
+     lambda c: c["executors"].append({**copy.deepcopy(c["executors"][0]), "tasks": ["idle1"]}),
+     "'executors' (2 entries) must hold one executor"),
 ]
 
 

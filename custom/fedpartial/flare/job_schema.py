@@ -392,6 +392,9 @@ def check_config(config, side: str, file: str = "", byoc: bool = False) -> Check
         entries = config.get(section, [])
         if not isinstance(entries, list):
             refuse(f"'{section}'", "must be a list")
+        if section == "executors" and len(entries) > 1:  # each loads the site's data and builds a model
+            refuse(f"'executors' ({len(entries)} entries)", "must hold one executor: a site's limits apply to "
+                                                            "each, so more would multiply them")
         for i, entry in enumerate(entries):
             at = f"{section}[{i}]"
             if section in ("task_data_filters", "task_result_filters"):
