@@ -47,10 +47,10 @@ from fedpartial.flare.site_config import (check_limits, check_server_files, load
 
 GATE_PATH = "fedpartial.flare.job_gate.JobGate"
 SUBMISSION_GATE_PATH = "fedpartial.flare.job_gate.SubmissionGate"
-#: what a job's meta may hold: the keys FLARE reads from a submitter, and the two FLARE sets itself
-#: before the check (``study`` from the admin session, ``byoc`` from the app's contents)
-META_KEYS = ("name", "description", "resource_spec", "min_clients", "mandatory_clients", "deploy_map", "scope",
-             "study", "byoc")
+#: what a job's meta.json may hold: the keys FLARE reads from a submitter
+META_KEYS = ("name", "description", "resource_spec", "min_clients", "mandatory_clients", "deploy_map", "scope")
+#: what FLARE adds to the meta before the check: ``study`` from the admin session, ``byoc`` from the app
+FLARE_META_KEYS = ("study", "byoc")
 APP_PREFIX = "app_"
 #: what FLARE itself writes into an app it deploys: the job's signature, in every folder
 FLARE_SIGNATURE_FILES = (".__nvfl_sig.json", ".__nvfl_submitter.crt")
@@ -197,10 +197,10 @@ def meta_error(meta: dict) -> str:
     if "job_id" in meta:
         return (f"the server refuses the job: its meta sets 'job_id' ({meta['job_id']!r}); FLARE names each job "
                 f"itself, and a chosen id is the name of a folder in every participant's kit")
-    unknown = sorted(set(meta) - set(META_KEYS))
+    unknown = sorted(set(meta) - set(META_KEYS) - set(FLARE_META_KEYS))
     if unknown:
         return (f"the server refuses the job: its meta holds {unknown}, keys a job may not set "
-                f"(a job's meta.json may hold {list(META_KEYS[:-2])})")
+                f"(a job's meta.json may hold {list(META_KEYS)})")
     return ""
 
 
