@@ -18,9 +18,10 @@ import pytest
 from fedpartial.algorithms import registry
 from fedpartial.flare import job_schema
 from fedpartial.flare.allowed import CLASS_ALLOW_LIST
-from fedpartial.flare.job_gate import JobGate, check_app, gate_error
+from fedpartial.flare.job_gate import GATE_PATH, SUBMISSION_GATE_PATH, JobGate, check_app, gate_error
 from fedpartial.flare.job_schema import COMPONENTS, JobRefused, check_config
-from fedpartial.flare.site_config import FLOORS, LIMITED_ARGS, LIMITS, check_limits, site_rules
+from fedpartial.flare.site_config import (FLOORS, LIMITED_ARGS, LIMITS, SERVER_WEIGHTING, SITE_WEIGHTING,
+                                          SUBMISSION_LIMITS, check_limits, site_rules)
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "{$SECRET}"
@@ -145,6 +146,11 @@ ATTACKS = [  # (name, side, change, what the refusal must name)
         "use_awpa", {"path": "subprocess.Popen", "args": {"args": ["id"]}}),
      "argument 'rule_args.use_awpa' is a dict FLARE would build as a component"),
     # an allowed class built from a dict argument (FLARE builds any dict naming 'path' / 'name')
+    # each component is checked against the site's limits: many persistors just under the model
+    # limit kept the server's gate busy for a minute
+    ("persistor_twice", "server", lambda c: c["components"].append(
+        {**next(x for x in c["components"] if x["id"] == "persistor"), "id": "persistor_2"}),
+     "path 'fedpartial.flare.persistor.FedPartialPersistor' is named a second time"),
     ("nested_allowed_component", "client", lambda c: c["task_result_filters"].append(
         {"tasks": ["train"], "filters": [{"path": "fedpartial.flare.filters.StatisticsPrivacyFilter", "args": {
             "preset": "fedlsm", "guards": {"path": "fedpartial.flare.filters.SendWeightDiff"}}}]}),
@@ -341,6 +347,13 @@ def test_a_kit_names_the_gate_or_says_so(tmp_path):
     (kit / "local" / "resources.json").write_text(json.dumps({"app_validator": {"path": job_schema.__name__.replace(
         "job_schema", "job_gate.JobGate")}}))
     assert gate_error(str(kit), "site 'site-1'") == ""
+    server = _kit(tmp_path / "s", True)
+    (server / "local" / "resources.json").write_text(json.dumps({"app_validator": {"path": GATE_PATH},
+                                                                 "components": []}))
+    assert "names no component fedpartial.flare.job_gate.SubmissionGate" in gate_error(str(server), "the server")
+    (server / "local" / "resources.json").write_text(json.dumps({"app_validator": {"path": GATE_PATH}, "components": [
+        {"id": "submission_gate", "path": SUBMISSION_GATE_PATH, "args": {}}]}))
+    assert gate_error(str(server), "the server") == ""
 
 
 def test_check_app_reports_both_configs_at_the_server(tmp_path):
@@ -428,12 +441,14 @@ def test_a_site_refuses_rounds_beyond_its_limit(caplog):
 
 def test_floors_and_limits_have_documented_defaults_and_a_site_may_change_them():
     rules = site_rules({"path": "x", "max_batch_size": 32, "min_count": 10})
-    assert rules == {**FLOORS, **LIMITS, "max_batch_size": 32, "min_count": 10}
+    assert rules == {**FLOORS, **LIMITS, **SUBMISSION_LIMITS, "max_batch_size": 32, "min_count": 10}
     with pytest.raises(ValueError, match="min_sites_per_round must be an integer >= 1"):
         site_rules({"path": "x", "min_sites_per_round": 0})
     deployment = (REPO / "docs" / "DEPLOYMENT.md").read_text()
-    for key, value in {**FLOORS, **LIMITS}.items():
-        assert f"`{key}`" in deployment and (f"{value:,}" in deployment or str(value) in deployment), key
+    for key, value in {**FLOORS, **LIMITS, **SUBMISSION_LIMITS, **SERVER_WEIGHTING, **SITE_WEIGHTING}.items():
+        shown = f"{value:,}" if isinstance(value, (int, float)) and not isinstance(value, bool) else \
+            json.dumps(value).strip('"')
+        assert f"`{key}`" in deployment and (shown in deployment or str(value) in deployment), key
 
 
 def test_a_gate_that_fails_unexpectedly_refuses_naming_only_the_kind_of_error(tmp_path, monkeypatch):
@@ -494,7 +509,10 @@ def test_a_participant_reads_configs_as_json_only_once_its_gate_is_built(monkeyp
 
     from fedpartial.flare.job_gate import SubmissionGate
 
+    from nvflare.private.fed.server import job_cmds
+
     monkeypatch.setattr(ConfigFactory, "_fmt2Loader", dict(ConfigFactory._fmt2Loader))  # restored after
+    monkeypatch.setattr(job_cmds, "JobMetaValidator", job_cmds.JobMetaValidator)
     monkeypatch.setenv("FEDPARTIAL_TEST_SECRET", "s3cr3t")
     hocon = 'name = "x"\nleak = ${?FEDPARTIAL_TEST_SECRET}'
     assert ConfigFactory.get_config_loader(ConfigFormat.PYHOCON).load_config_from_str(hocon).to_dict()["leak"] == \
@@ -504,3 +522,95 @@ def test_a_participant_reads_configs_as_json_only_once_its_gate_is_built(monkeyp
         with pytest.raises(ValueError, match="as JSON only"):
             ConfigFactory.get_config_loader(fmt).load_config_from_str(hocon)
     assert ConfigFactory.get_config_loader(ConfigFormat.JSON).load_config_from_str('{"a": 1}').to_dict() == {"a": 1}
+
+
+def _zip(job: Path, out: Path, compression) -> Path:
+    import os
+    import zipfile
+
+    with zipfile.ZipFile(out, "w", compression) as zf:
+        for path in sorted(job.rglob("*")):
+            zf.write(path, os.path.join(job.name, path.relative_to(job)))
+    return out
+
+
+def test_an_upload_is_measured_before_flare_unpacks_any_of_it(tmp_path, monkeypatch):
+    """FLARE unpacks a job's meta and stores the job in the server's process: 1 MB of DEFLATE holding
+    1 GiB of zeros took 7 GB of the server's memory, a meta.json of 1 GiB of whitespace 2.4 GB. The
+    zip's declared sizes are checked first; a shipped job is a few kB."""
+    import zipfile
+
+    from nvflare.private.fed.server import job_cmds
+
+    from fedpartial.flare.job_gate import SubmissionGate, upload_error
+
+    limits = dict(SUBMISSION_LIMITS)
+    job = _job(tmp_path)
+    assert upload_error(str(_zip(job, tmp_path / "ok.zip", zipfile.ZIP_STORED)), job.name, limits) == ""
+    (job / "app" / "pad.bin").write_bytes(bytes(limits["max_job_bytes"]))  # zeros: 64 MiB, ~64 kB deflated
+    bomb = _zip(job, tmp_path / "bomb.zip", zipfile.ZIP_DEFLATED)
+    assert bomb.stat().st_size < 2 ** 20
+    error = upload_error(str(bomb), job.name, limits)
+    assert "the server refuses the job: its files unpacked, bytes: 67,1" in error and \
+        "is beyond its limit of 67,108,864 ('max_job_bytes' in local/fedpartial_site.json" in error, error
+    (job / "app" / "pad.bin").unlink()
+    meta = json.loads((job / "meta.json").read_text())
+    (job / "meta.json").write_text(json.dumps(meta)[:-1] + " " * limits["max_meta_bytes"] + "}")
+    assert "its meta.json, bytes: 65," in upload_error(str(_zip(job, tmp_path / "meta.zip", zipfile.ZIP_DEFLATED)),
+                                                        job.name, limits)
+    (job / "meta.json").write_text(json.dumps(meta))
+    for i in range(limits["max_job_files"]):
+        (job / "app" / f"f{i}").write_text("")
+    assert "its number of files and folders 1,0" in upload_error(str(_zip(job, tmp_path / "n.zip", zipfile.ZIP_STORED)),
+                                                                  job.name, limits)
+    # the server's submit command checks before FLARE's validator reads the meta
+    monkeypatch.setattr(job_cmds, "JobMetaValidator", job_cmds.JobMetaValidator)
+    monkeypatch.setattr("nvflare.fuel.utils.config_factory.ConfigFactory._fmt2Loader",
+                        dict(__import__("nvflare.fuel.utils.config_factory", fromlist=["x"]).ConfigFactory._fmt2Loader))
+    SubmissionGate()
+    valid, error, _ = job_cmds.JobMetaValidator().validate(job.name, str(bomb))
+    assert not valid and "('max_job_bytes' in local/fedpartial_site.json of the server's kit)" in error, error
+
+
+@pytest.mark.parametrize("side, overrides, message", [
+    ("server", ['weight_rule="median"'], "RuleAggregator weight_rule = 'median'; how the sites' updates are weighted "
+                                         "is this participant's to decide ('mean', 'weight_rule' of 'weighting'"),
+    ("server", ["cap_samples=false"], "RuleAggregator cap_samples = False;"),
+    ("server", ["rule_args.unlabelled_weight=1.0"], "RuleAggregator rule_args.unlabelled_weight of rule 'fedirm' = 1.0;"),
+    ("client", ['rule_args.weight_by="all_rows"'], "FedPartialExecutor rule_args.weight_by of rule 'fedavg' = "
+                                                   "'all_rows'; how the sites' updates are weighted"),
+], ids=["weight_rule", "cap_samples", "fedirm_unlabelled_weight", "weight_by"])
+def test_a_job_leaves_the_weighting_to_each_participant(tmp_path, side, overrides, message):
+    """Two jobs that differ only in the server's weight_rule (mean, median) gave a lead the two sites'
+    local models, solved from the two downloaded averages. How updates are weighted is the
+    participant's; a development site (no kit file) lets the bench vary it."""
+    from fedpartial.flare.site_config import check_weighting
+
+    job_name = "fedirm" if "unlabelled" in overrides[0] else "fedavg"
+    server_side = side == "server"
+    target = {"server": "server", "client": "site-1"}[side]
+    kit = _kit(tmp_path, server_side)
+    base = _job(tmp_path, job=job_name)
+    assert JobGate(side).validate(str(_deploy(kit, base, target))) == ("", {})  # the shipped values pass
+    sets = [o if side == "client" or o.startswith("rule_args") is False else o for o in overrides]
+    job = _edit(_job(tmp_path, job=job_name), side, lambda c: _set_weighting(c, side, sets[0]))
+    err, _ = JobGate(side).validate(str(_deploy(kit, job, target)))
+    assert message in err and str(kit) not in err, err
+    key, _, value = sets[0].partition("=")
+    key = key.replace("rule_args.", f"{job_name}." if side == "server" or "weight_by" in key else "")
+    (kit / "local" / "fedpartial_site.json").write_text(json.dumps({"format_version": 1, "datasets": {},
+                                                                   "weighting": {key: json.loads(value)}}))
+    assert JobGate(side).validate(str(_deploy(kit, job, target))) == ("", {})  # the participant's own choice
+    check_weighting(check_config(_configs(job)[side], side), None, side, "dev", "none")  # development: any
+
+
+def _set_weighting(config, side, assignment):
+    key, _, value = assignment.partition("=")
+    if side == "server":
+        args = next(c for c in config["components"] if c["path"].endswith("RuleAggregator"))["args"]
+    else:
+        args = config["executors"][0]["executor"]["args"]
+    if key.startswith("rule_args."):
+        args = args.setdefault("rule_args", {})
+        key = key[len("rule_args."):]
+    args[key] = json.loads(value)

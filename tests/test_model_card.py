@@ -223,3 +223,29 @@ def test_simulator_card_names_sites_rounds_validation_and_evaluate_appends(sim_r
     assert evaluation["data"] == str(root) and evaluation["n"] == 72 and evaluation["split"] == "val"
     assert evaluation["metrics"]["auc"] == pytest.approx(result["pooled"]["auc"])
     assert f"| global_model.pt | {root} | val | 72 |" in (run / CARD_MD).read_text()
+
+
+@pytest.mark.parametrize("deploy_map, reads_client", [
+    ({"app": ["@ALL"]}, True),
+    ({"app": ["server", "site-1", "site-2"]}, True),
+    # the server's own app with a decoy client config; the sites ran another app
+    ({"app_server": ["server"], "app_client": ["site-1", "site-2"]}, False),
+    (None, True),  # no meta.json (the simulator): one app
+], ids=["all", "listed", "decoy", "simulator"])
+def test_the_card_states_the_sites_settings_only_when_they_ran_the_servers_app(tmp_path, deploy_map, reads_client):
+    from fedpartial.flare.model_card import write_model_card
+
+    run = _hand_run(tmp_path)
+    config = tmp_path / "app_server" / "config"
+    config.mkdir(parents=True)
+    (config / "config_fed_server.json").write_text(json.dumps({"components": [], "workflows": []}))
+    (config / "config_fed_client.json").write_text(json.dumps({"executors": [{"tasks": ["train"], "executor": {
+        "path": "fedpartial.flare.executors.FedPartialExecutor", "args": {"rule": "fedavg", "rule_args": {
+            "lr": 0.001}}}}]}))
+    if deploy_map is not None:
+        (run / "meta.json").write_text(json.dumps({"deploy_map": deploy_map}))
+    path, _ = write_model_card(str(run), str(config), None, "global_model.pt", "best_global_model.pt", "j1")
+    method = json.loads(Path(path).read_text())["method"]
+    assert (method["client"] is not None) == reads_client, method
+    if not reads_client:
+        assert method["client_note"] == "the sites' settings are unknown: the server's app is not the one the sites ran"

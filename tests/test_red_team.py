@@ -577,3 +577,55 @@ def test_a_hocon_meta_or_config_reads_nothing_of_the_servers_world(system, tmp_p
     message = _submit_refused(system, job)
     assert "reads a job's meta and configs as JSON only" in message, message
     assert "max_resized_gib" not in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["zeros", "meta"])
+def test_an_upload_that_unpacks_beyond_the_servers_limits_is_refused_before_it_is_read(system, tmp_path,
+                                                                                       monkeypatch, what):
+    """1 MB of DEFLATE holding 1 GiB of zeros grew the server's process by 7 GB, a 1 GiB whitespace
+    meta.json by 2.4 GB: FLARE unpacks both in the server's process. The server measures the upload
+    first (here 65 MiB of zeros in about 65 kB, and a 1 MiB meta)."""
+    import os
+    import zipfile
+
+    import nvflare.fuel.hci.client.file_transfer as file_transfer
+
+    def deflated(root_dir, folder_name, output_file):  # FLARE's own client stores files uncompressed
+        folder = Path(root_dir, folder_name)
+        with zipfile.ZipFile(output_file, "w", zipfile.ZIP_DEFLATED) as zf:
+            for path in sorted(folder.rglob("*")):
+                zf.write(path, os.path.relpath(path, folder.parent))
+
+    monkeypatch.setattr(file_transfer, "zip_directory_to_file", deflated)
+    job = _job(tmp_path, "bomb")
+    if what == "zeros":
+        (job / "app" / "pad.bin").write_bytes(bytes(65 * 2 ** 20))
+        expected = "the server refuses the job: its files unpacked, bytes: 68,"
+    else:
+        meta = json.loads((job / "meta.json").read_text())
+        (job / "meta.json").write_text(json.dumps(meta)[:-1] + " " * 2 ** 20 + "}")
+        expected = "the server refuses the job: its meta.json, bytes: 1,04"
+    message = _submit_refused(system, job)
+    assert expected in message and "('max_" in message, message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side, change, message", [
+    ("server", lambda c: next(x for x in c["components"] if x["id"] == "aggregator")["args"].__setitem__(
+        "weight_rule", "median"), "the server refuses the job: RuleAggregator weight_rule = 'median'; how the sites' "
+                                  "updates are weighted is this participant's to decide"),
+    ("client", lambda c: c["executors"][0]["executor"]["args"].setdefault("rule_args", {}).__setitem__(
+        "weight_by", "all_rows"), "refuses the job: FedPartialExecutor rule_args.weight_by of rule 'fedavg' = "
+                                  "'all_rows'; how the sites' updates are weighted"),
+], ids=["weight_rule", "weight_by"])
+def test_a_job_cannot_choose_how_the_sites_are_weighted(system, tmp_path, side, change, message):
+    """Two jobs differing only in the server's weight_rule (mean, median) or the sites' weight_by gave
+    a lead both sites' local models, solved from the two downloaded averages."""
+    job = _job(tmp_path, "weighting")
+    if side == "client":
+        _two_apps(job)  # each site's own gate decides
+    _edit(job, side, change)
+    result = _run(system, tmp_path, job)
+    where = ("server_main",) if side == "server" else ("site-1_main", "site-2_main")
+    _refused_at_deployment(system, tmp_path, result, message, where=where)

@@ -42,8 +42,8 @@ from nvflare.fuel.utils.config import ConfigFormat, ConfigLoader
 from nvflare.fuel.utils.config_factory import ConfigFactory
 
 from fedpartial.flare.job_schema import CLIENT, CONFIG_FILES, SERVER, check_config
-from fedpartial.flare.site_config import (check_limits, check_server_files, load_site_config, site_config_path,
-                                          site_rules)
+from fedpartial.flare.site_config import (SUBMISSION_LIMITS, check_limits, check_server_files, check_weighting,
+                                          load_site_config, site_config_path, site_rules)
 
 GATE_PATH = "fedpartial.flare.job_gate.JobGate"
 SUBMISSION_GATE_PATH = "fedpartial.flare.job_gate.SubmissionGate"
@@ -130,6 +130,7 @@ def check_app(app_folder: str, side: str, workspace_root: str, where: str) -> Di
         except ValueError as e:
             raise ValueError(f"{where} refuses the job: {e}") from None
     check_limits(out[side], rules, where, source)
+    check_weighting(out[side], config, side, where, source)
     if side == SERVER and config is not None:
         check_server_files(out[side], workspace_root, where)
     return out
@@ -181,6 +182,12 @@ def gate_error(workspace_root: str, where: str) -> Optional[str]:
     if validator != GATE_PATH:
         return (f"{where}: its kit's {path} names no app_validator {GATE_PATH} (has {validator!r}), so jobs "
                 f"are not checked before they are deployed; provision the kit with SitePolicyBuilder")
+    if os.path.isfile(os.path.join(workspace_root, "startup", "fed_server.json")):
+        with open(path) as f:
+            components = json.load(f).get("components") or []
+        if not any(isinstance(c, dict) and c.get("path") == SUBMISSION_GATE_PATH for c in components):
+            return (f"{where}: its kit's {path} names no component {SUBMISSION_GATE_PATH}, so a job's meta is "
+                    f"not checked at submission; provision the kit with SitePolicyBuilder")
     return ""
 
 
@@ -229,17 +236,86 @@ def json_configs_only() -> None:
         ConfigFactory._fmt2Loader[fmt] = _RefusedFormat(fmt)
 
 
+def upload_error(zip_path: str, job_folder: str, limits: Dict[str, int]) -> str:
+    """Why the server refuses a job's upload before FLARE unpacks or parses any of it ("" = it does
+    not): more bytes unpacked, more files, or a larger meta than the server kit's
+    :data:`fedpartial.flare.site_config.SUBMISSION_LIMITS`. The sizes are the zip's declared ones,
+    which bound what Python's zipfile unpacks (it stops at the declared size and checks the CRC).
+
+    Args:
+        zip_path: the uploaded zip (FLARE streams the upload to a file).
+        job_folder: the job's folder name inside the zip.
+        limits: the server's ``max_job_bytes``, ``max_job_files``, ``max_meta_bytes``.
+    """
+    import zipfile
+
+    def refuse(what, value, key):
+        return (f"the server refuses the job: {what} {value:,} is beyond its limit of {limits[key]:,} ('{key}' in "
+                f"local/fedpartial_site.json of the server's kit)")
+
+    try:
+        if os.path.getsize(zip_path) > limits["max_job_bytes"]:
+            return refuse("its upload of", os.path.getsize(zip_path), "max_job_bytes")
+        with zipfile.ZipFile(zip_path) as zf:
+            infos = zf.infolist()
+    except (OSError, zipfile.BadZipFile) as e:
+        return f"the server refuses the job: its upload is not a zip it can read ({type(e).__name__})"
+    if len(infos) > limits["max_job_files"]:
+        return refuse("its number of files and folders", len(infos), "max_job_files")
+    unpacked = sum(i.file_size for i in infos)
+    if unpacked > limits["max_job_bytes"]:
+        return refuse("its files unpacked, bytes:", unpacked, "max_job_bytes")
+    for info in infos:
+        if info.filename.startswith(f"{job_folder}/meta.") and info.file_size > limits["max_meta_bytes"]:
+            return refuse(f"its {info.filename[len(job_folder) + 1:]}, bytes:", info.file_size, "max_meta_bytes")
+    return ""
+
+
+def bounded_uploads(limits: Dict[str, int]) -> None:
+    """Make this process check a job's upload with :func:`upload_error` before FLARE's
+    ``JobMetaValidator`` unpacks its meta and FLARE stores the job. FLARE fires no event before
+    that, so the validator its ``submit_job`` command builds is replaced by one that checks first
+    (the red-team suite submits an oversized job end to end, so a FLARE that stops building it
+    there fails it).
+
+    Args:
+        limits: the server's :data:`fedpartial.flare.site_config.SUBMISSION_LIMITS`.
+    """
+    from nvflare.private.fed.server import job_cmds
+    from nvflare.private.fed.server.job_meta_validator import JobMetaValidator
+
+    class BoundedJobMetaValidator(JobMetaValidator):
+        def validate(self, job_name, job_data):
+            if isinstance(job_data, str):
+                error = upload_error(job_data, job_name, limits)
+                if error:
+                    return False, error, {}
+            elif isinstance(job_data, (bytes, bytearray)) and len(job_data) > limits["max_job_bytes"]:
+                return False, (f"the server refuses the job: its upload of {len(job_data):,} bytes is beyond its "
+                               f"limit of {limits['max_job_bytes']:,} ('max_job_bytes')"), {}
+            return super().validate(job_name, job_data)
+
+    job_cmds.JobMetaValidator = BoundedJobMetaValidator
+
+
 class SubmissionGate(FLComponent):
     """The server's check of a job at submission (``local/resources.json`` component, handling
     FLARE's ``SUBMIT_JOB`` as FLARE's confidential-computing manager does): :func:`meta_error`
     refuses the job before it is stored. Built in the server's process, it also makes that process
-    read configs as JSON only (:func:`json_configs_only`)."""
+    read configs as JSON only (:func:`json_configs_only`) and check an upload's size before FLARE
+    unpacks it (:func:`bounded_uploads`, with the server kit's limits once the system starts)."""
 
     def __init__(self):
         super().__init__()
         json_configs_only()
+        bounded_uploads(dict(SUBMISSION_LIMITS))
 
     def handle_event(self, event_type: str, fl_ctx: FLContext):
+        if event_type == EventType.SYSTEM_START:
+            root = fl_ctx.get_engine().get_workspace().get_root_dir()
+            rules = site_rules(load_site_config(root))
+            bounded_uploads({k: rules[k] for k in SUBMISSION_LIMITS})
+            return
         if event_type != EventType.SUBMIT_JOB:
             return
         error = meta_error(fl_ctx.get_prop(FLContextKey.JOB_META) or {})

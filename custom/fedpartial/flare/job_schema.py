@@ -37,6 +37,8 @@ from fedpartial.flare.value_types import (NAME, AnyOf, Bool, ByKey, Choice, Fixe
 
 SERVER, CLIENT = "server", "client"
 CONFIG_FILES = {SERVER: "config_fed_server.json", CLIENT: "config_fed_client.json"}
+#: filters of one chain: the shipped jobs and recipes use up to 4
+MAX_FILTERS = 16
 #: a reference to a top-level variable, the whole value: "{model}"
 REF = re.compile(r"\{([a-z_][a-z0-9_]*)\}")
 
@@ -405,6 +407,8 @@ def check_config(config, side: str, file: str = "", byoc: bool = False) -> Check
                 why = FILTER_CHAIN.why(shape)
                 if why:
                     refuse(at, why)
+                if len(entry["filters"]) > MAX_FILTERS:
+                    refuse(f"{at}.filters ({len(entry['filters'])} entries)", f"may hold at most {MAX_FILTERS}")
                 for j, item in enumerate(entry["filters"]):
                     _component(item, f"{at}.filters[{j}]", f"{side}.filters", out, resolve, refuse, byoc, None)
             elif section == "executors":
@@ -466,6 +470,10 @@ def _component(entry, at: str, place: str, out: Checked, resolve, refuse, byoc: 
     if extra or "path" not in entry:
         refuse(at, f"must name its class in 'path' (with 'id' and 'args' only), has {sorted(entry)}")
     path, cid, args = entry["path"], entry.get("id"), entry.get("args", {})
+    if not place.endswith(".filters") and any(path == named for _, named, _ in out.components):
+        # each is checked against the site's limits (a model built on the meta device): many of
+        # them would keep the gate busy, and no job needs one component class twice
+        refuse(f"{at} path {_show(path)}", "is named a second time; a config names each class once")
     if ids is not None:
         why = NAME.why(cid)
         if why or cid in ids:

@@ -143,10 +143,11 @@ def method_section(rule: str, rule_args: Optional[dict], client_config: Optional
     Args:
         rule: the aggregator's registered rule name (None = the job has no ``RuleAggregator``).
         rule_args: the aggregator's ``rule_args``.
-        client_config: ``config_fed_client.json`` of the job's app (None = not in the server's app).
+        client_config: ``config_fed_client.json`` of the job's app (None = not in the server's app, or
+            the sites ran another app).
     """
     out = {"rule": rule, "server": rule_settings("server", rule, rule_args) if rule else None, "client": None,
-           "client_note": "config_fed_client.json is not in the server's app folder"}
+           "client_note": "the sites' settings are unknown: the server's app is not the one the sites ran"}
     executor = _component_args(client_config, EXECUTOR_PATH) if client_config else None
     if executor is not None:
         client_rule = executor.get("rule", "fedavg")
@@ -449,13 +450,26 @@ def append_evaluation(model_file: str, entry: Dict) -> Optional[str]:
     return write_card(folder, card)[1]
 
 
+def _sites_run_servers_app(run_dir: str) -> bool:
+    """Whether the app deployed to the server went to the sites too, from the job's ``meta.json`` in
+    the server's run folder (none, as in the simulator: one app). Only then is the client config in
+    the server's app folder what the sites ran: a job may give the server an app of its own with a
+    client config the sites never saw."""
+    from fedpartial.flare.persistor import app_targets
+
+    meta = _load_json(os.path.join(run_dir, "meta.json"))
+    if meta is None:
+        return True
+    return any(to_server and to_sites for to_server, to_sites in app_targets(meta.get("deploy_map")).values())
+
+
 def write_model_card(run_dir: str, app_config_dir: str, model: Optional[dict], global_file: str, best_file: str,
                      job_id: str = "") -> tuple:
     """Build and write the card of the run in ``run_dir`` (the server's END_RUN hook).
 
     The method comes from the job's server config (the ``RuleAggregator``'s ``rule`` and
     ``rule_args``), the sites' settings from its client config, which FLARE deploys to the server's
-    app folder too when the job sends one app to every participant.
+    app folder too when the job sends one app to every participant (and only then is it read).
 
     Args:
         run_dir: the server's run folder.
@@ -468,7 +482,8 @@ def write_model_card(run_dir: str, app_config_dir: str, model: Optional[dict], g
         ``(json path, md path)``.
     """
     server = _load_json(os.path.join(app_config_dir, "config_fed_server.json")) or {}
-    client = _load_json(os.path.join(app_config_dir, "config_fed_client.json"))
+    client = _load_json(os.path.join(app_config_dir, "config_fed_client.json")) if _sites_run_servers_app(run_dir) \
+        else None
     aggregator = _component_args(server, AGGREGATOR_PATH)
     workflow = _component_args(server, "nvflare.app_common.workflows.scatter_and_gather.ScatterAndGather") or {}
     asked = workflow.get("num_rounds", server.get("num_rounds"))

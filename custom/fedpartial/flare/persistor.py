@@ -30,6 +30,16 @@ BEST_MODEL_FILE = "best_global_model.pt"
 SERVER_MODELS = {"SRV_global_model": GLOBAL_MODEL_FILE, "SRV_best_global_model": BEST_MODEL_FILE}
 
 
+def app_targets(deploy_map) -> dict:
+    """``{app: (goes to the server, goes to a site)}`` of a job's ``deploy_map``."""
+    out = {}
+    for app, targets in (deploy_map or {}).items():
+        names = [t if isinstance(t, str) else (t or {}).get("sites", t) for t in targets or []]
+        flat = [str(n).lower() for t in names for n in (t if isinstance(t, list) else [t])]
+        out[app] = ("server" in flat or "@all" in flat, any(n != "server" for n in flat))
+    return out
+
+
 def one_client_app_error(fl_ctx: FLContext) -> str:
     """Why a provisioned server refuses the job's deployment ("" = fine): every site must run the
     same app. With two client apps (``deploy_map``), one site could run settings the others do not
@@ -47,12 +57,7 @@ def one_client_app_error(fl_ctx: FLContext) -> str:
             deploy_map = json.load(f).get("deploy_map", {})
     except (OSError, ValueError) as e:
         return f"the server refuses the job: its deploy_map cannot be read ({e})"
-    client_apps = []
-    for app, targets in (deploy_map or {}).items():
-        names = [t if isinstance(t, str) else (t or {}).get("sites", t) for t in targets or []]
-        flat = [n for t in names for n in (t if isinstance(t, list) else [t])]
-        if any(str(n).lower() != "server" for n in flat):
-            client_apps.append(app)
+    client_apps = [app for app, to_sites in app_targets(deploy_map).items() if to_sites[1]]
     if len(client_apps) > 1:
         return (f"the server refuses the job: its deploy_map gives the sites {len(client_apps)} different apps "
                 f"({', '.join(sorted(client_apps))}); every site runs the same app")

@@ -132,6 +132,31 @@ LIMITS = {
     # disk (fedpartial_cache) for a site folder; 250 images of 28 px asked at 1024 px are 3 GiB
     "max_resized_gib": 32,
 }
+#: What a server's kit takes of a submitted job before FLARE reads any of it (keys of its file):
+#: FLARE unpacks and parses an upload in the server's own process, so a small DEFLATE upload of
+#: zeros, or a meta of whitespace, would take its memory. A job is its configs (a few kB).
+SUBMISSION_LIMITS = {
+    "max_job_bytes": 64 * 2 ** 20,   # bytes of the job's files, unpacked (byoc code included)
+    "max_job_files": 1000,           # files and folders in the job
+    "max_meta_bytes": 64 * 2 ** 10,  # bytes of its meta.json
+}
+#: How the sites' updates are combined is the participant's to decide, not a job's: a job leaves
+#: each at the participant's value (key ``weighting`` of its file; these the defaults, as the
+#: shipped jobs run). Two jobs that combine the same local models with other weights are two
+#: equations in them, and the submitter solves for each site's model. Keys: an argument of the
+#: server's ``RuleAggregator``, or ``<rule>.<argument>`` of a rule's ``rule_args``.
+SERVER_WEIGHTING = {
+    "weight_rule": "mean", "trim_fraction": 0.2, "cap_samples": True, "max_norm_ratio": 10.0,
+    "fedlsm.use_awpa": True, "fedlsm.without_awpa": "masked", "fedmlp.classifier_rows": "fedavg",
+    "fedirm.relation_weighting": "sites", "fedirm.unlabelled_weight": 0.05,
+    "fedia.use_completeness_weighting": True, "fedia.fedavg_after_all_corrected": True, "fedia.loss_floor": 1e-6,
+    "fedia.completeness_max": 1.0, "fedia.max_weight_ratio": 2.0,
+}
+#: ... and at a site, what it reports as its weight (the executor's ``rule_args``)
+SITE_WEIGHTING = {
+    "fedavg.weight_by": "labelled_rows",
+    "fedia.completeness_floor": 1e-3, "fedia.completeness_cap": 1.0, "fedia.min_predicted_ratio": 0.5,
+}
 MIN_COUNT = FLOORS["min_count"]
 MAX_INPUT_SIZE = LIMITS["max_input_size"]
 #: the rule_args each limit covers (tests/test_job_schema.py keeps them in step with the schema)
@@ -153,7 +178,7 @@ def site_rules(config: Optional[dict]) -> dict:
     Raises:
         ValueError: a floor or limit that is not a non-negative integer, naming the file and key.
     """
-    out = {**FLOORS, **LIMITS}
+    out = {**FLOORS, **LIMITS, **SUBMISSION_LIMITS}
     for key in out:
         value = (config or {}).get(key, out[key])
         lowest = 0 if key in ("min_count", "min_sites_for_shared_stats", "max_loader_workers") else 1
@@ -162,6 +187,79 @@ def site_rules(config: Optional[dict]) -> dict:
                              f">= {lowest}, got {value!r}")
         out[key] = value
     return out
+
+
+def weighting(config: Optional[dict], side: str) -> dict:
+    """The participant's :data:`SERVER_WEIGHTING` (``side`` ``server``) or :data:`SITE_WEIGHTING`
+    with its file's ``weighting`` values.
+
+    Raises:
+        ValueError: a key that is none of them, naming the file and key.
+    """
+    out = dict(SERVER_WEIGHTING if side == "server" else SITE_WEIGHTING)
+    own = (config or {}).get("weighting", {})
+    path = (config or {}).get("path", "?")
+    if not isinstance(own, dict):
+        raise ValueError(f"site configuration '{path}': 'weighting' must map settings to values, got {own!r}")
+    unknown = sorted(set(own) - set(out))
+    if unknown:
+        raise ValueError(f"site configuration '{path}': 'weighting' holds {unknown}; a {side} decides {sorted(out)}")
+    out.update(own)
+    return out
+
+
+def _default(side: str, rule: str, arg: str):
+    """The constructor default of ``arg`` of the server's aggregator (``rule`` "") or of a rule."""
+    import inspect
+
+    if rule:
+        from fedpartial.algorithms.registry import rule_class
+
+        cls = rule_class(side, rule)
+    else:
+        from fedpartial.flare.aggregators import RuleAggregator as cls
+    return inspect.signature(cls.__init__).parameters[arg].default
+
+
+def check_weighting(checked, config: Optional[dict], side: str, where: str, source: str) -> None:
+    """A provisioned participant runs a job only with its own weighting (:data:`SERVER_WEIGHTING`,
+    :data:`SITE_WEIGHTING`): a value the job sets, or the constructor's default it leaves, must be
+    the participant's.
+
+    Args:
+        checked: the job's config as :func:`fedpartial.flare.job_schema.check_config` returns it.
+        config: the participant's file (:func:`load_site_config`); None = a development site,
+            where a job weights as it likes.
+        side: ``server`` or ``client``: whose config ``checked`` is (a server checks only its own).
+        where: who refuses.
+        source: the participant's file, for the message.
+
+    Raises:
+        ValueError: naming the component, argument, the job's value and the participant's.
+    """
+    if config is None:
+        return
+    own = weighting(config, side)
+    for _, path, args in checked.components:
+        name = path.rpartition(".")[2]
+        if name not in ("RuleAggregator", "FedPartialExecutor"):
+            continue
+        rule = args.get("rule", "fedavg")
+        rule_args = args.get("rule_args") or {}
+        for key, wanted in own.items():
+            owner, _, arg = key.rpartition(".")
+            if owner and owner != rule:
+                continue
+            values = rule_args if owner else args
+            if not owner and name != "RuleAggregator":
+                continue
+            value = values[arg] if arg in values else _default(side, owner, arg)
+            if value != wanted:
+                field = f"rule_args.{arg} of rule '{rule}'" if owner else arg
+                raise ValueError(f"{where} refuses the job: {name} {field} = {value!r}; how the sites' updates are "
+                                 f"weighted is this participant's to decide ({wanted!r}, '{key}' of 'weighting' in "
+                                 f"{source}): two jobs weighting the same local models differently let their "
+                                 f"submitter solve for each site's model")
 
 
 def participant_config(fl_ctx) -> Optional[dict]:

@@ -249,15 +249,18 @@ class SitePolicyBuilder(Builder):
 
     def site_config(self, participant, site: bool) -> dict:
         """The ``fedpartial_site.json`` of a site (its datasets) or of the server (none), with the
-        participant's floors and limits at their defaults (the server's floors on sites)."""
-        from fedpartial.flare.site_config import FLOORS, FORMAT_VERSION, LIMITS
+        participant's floors, limits and weighting at their defaults (the server's floors and
+        submission limits on sites)."""
+        from fedpartial.flare.site_config import (FLOORS, FORMAT_VERSION, LIMITS, SERVER_WEIGHTING, SITE_WEIGHTING,
+                                                  SUBMISSION_LIMITS)
 
         datasets = {}
         if site:
             own = participant.get_prop("datasets")
             datasets = self.datasets if own is None else self._datasets(own, f"'datasets' of {participant.name}")
         floors = {k: v for k, v in FLOORS.items() if site == (k == "min_count")}
-        return {"format_version": FORMAT_VERSION, "datasets": datasets, **floors, **LIMITS}
+        own = {"weighting": dict(SITE_WEIGHTING)} if site else {**SUBMISSION_LIMITS, "weighting": dict(SERVER_WEIGHTING)}
+        return {"format_version": FORMAT_VERSION, "datasets": datasets, **floors, **LIMITS, **own}
 
     def allow_list(self, site: bool) -> list:
         """The ``class_allow_list`` written into a site's (``site``) or the server's kit."""
