@@ -316,3 +316,31 @@ def test_site_lock_text_from_pips_report(tmp_path):
     del report["install"][1]["download_info"]["archive_info"]["hash"]
     with pytest.raises(ValueError, match=re.escape("pip report: no sha256 for Flask==3.1.3")):
         provision.site_lock_text(report, [], "a test")
+
+
+def test_each_kit_holds_its_floors_limits_and_weighting_and_the_server_waits_for_every_site(prod):
+    """The server's file: every site of the project behind a published aggregate (2 here; with
+    different subsets of one round's local models, jobs are equations in them), its submission limits
+    and how it weights; a site's: its weighting and limits, no server keys."""
+    from fedpartial.flare.site_config import LIMITS, SERVER_WEIGHTING, SITE_WEIGHTING, SUBMISSION_LIMITS
+
+    server = _json(prod / "localhost" / "local" / "fedpartial_site.json")
+    assert server["min_sites_per_round"] == len(SITE_ORGS) and server["weighting"] == SERVER_WEIGHTING
+    assert {k: server[k] for k in SUBMISSION_LIMITS} == SUBMISSION_LIMITS
+    for site in SITE_ORGS:
+        own = _json(prod / site / "local" / "fedpartial_site.json")
+        assert own["weighting"] == SITE_WEIGHTING and own["min_count"] == 5
+        assert {k: own[k] for k in LIMITS} == LIMITS and not set(SUBMISSION_LIMITS) & set(own)
+        assert "min_sites_per_round" not in own
+
+
+@pytest.mark.parametrize("setting, expected", [("all", 7), (3, 3)])
+def test_the_servers_floor_of_sites_is_every_site_unless_the_consortium_lowers_it(setting, expected):
+    from types import SimpleNamespace as NS
+
+    builder = SitePolicyBuilder(min_sites_per_round=setting)
+    config = builder.site_config(NS(name="server", get_prop=lambda k: None), site=False, num_sites=7)
+    assert config["min_sites_per_round"] == expected
+    for bad in (1, "some", True):
+        with pytest.raises(ValueError, match="min_sites_per_round must be \"all\" or an integer >= 2"):
+            SitePolicyBuilder(min_sites_per_round=bad)

@@ -187,9 +187,10 @@ def test_shipped_projects_use_the_site_policy(name):
     paths = [b["path"] for b in builders]
     policy = paths.index(provision.SITE_POLICY_BUILDER)
     assert policy > paths.index(provision.STATIC_FILE_BUILDER)  # it edits what StaticFileBuilder wrote
-    # the builder's own allow-list (no prefix), no code with jobs, no log streaming
+    # the builder's own allow-list (no prefix), no code with jobs, no log streaming, every site
+    # behind a published aggregate
     assert builders[policy]["args"] == {"allow_byoc": False, "allow_log_streaming": False,
-                                        "privacy_file": "privacy.json"}
+                                        "privacy_file": "privacy.json", "min_sites_per_round": "all"}
 
 
 def test_docker_project_writes_compose_and_docker_scripts(tmp_path):

@@ -149,7 +149,9 @@ SERVER_WEIGHTING = {
     "weight_rule": "mean", "trim_fraction": 0.2, "cap_samples": True, "max_norm_ratio": 10.0,
     "fedlsm.use_awpa": True, "fedlsm.without_awpa": "masked", "fedmlp.classifier_rows": "fedavg",
     "fedirm.relation_weighting": "sites", "fedirm.unlabelled_weight": 0.05,
-    "fedia.use_completeness_weighting": True, "fedia.fedavg_after_all_corrected": True, "fedia.loss_floor": 1e-6,
+    # when the completeness weighting starts: two jobs switching at different rounds would weight
+    # one round's local models by size and by completeness
+    "fedia.warmup_rounds": 10, "fedia.use_completeness_weighting": True, "fedia.fedavg_after_all_corrected": True, "fedia.loss_floor": 1e-6,
     "fedia.completeness_max": 1.0, "fedia.max_weight_ratio": 2.0,
 }
 #: ... and at a site, what it reports as its weight (the executor's ``rule_args``)

@@ -217,11 +217,22 @@ class SitePolicyBuilder(Builder):
             ``local/fedpartial_site.json``); a client entry of ``project.yml`` with its own
             ``datasets:`` mapping replaces it for that site. Default: none; each site then offers
             its data itself (``fedpartial-site offer-dataset KIT NAME FOLDER``).
+        min_sites_per_round: the server's floor of sites behind a published aggregate. ``"all"``
+            (default): every site of ``project.yml``, so no job can publish an aggregate of a subset
+            of the sites (jobs over different subsets of one round's local models are equations in
+            them); a round then waits for every site. A number (>= 2) lets rounds go on without
+            some sites.
     """
 
     def __init__(self, allow_byoc: bool = False, class_allow_list: Optional[Sequence[str]] = None,
                  class_prefixes: Sequence[str] = (), allow_log_streaming: bool = False,
-                 privacy_file: Optional[str] = None, datasets: Optional[dict] = None):
+                 privacy_file: Optional[str] = None, datasets: Optional[dict] = None,
+                 min_sites_per_round="all"):
+        if min_sites_per_round != "all" and (isinstance(min_sites_per_round, bool) or
+                                             not isinstance(min_sites_per_round, int) or min_sites_per_round < 2):
+            raise ValueError(f"SitePolicyBuilder: min_sites_per_round must be \"all\" or an integer >= 2, "
+                             f"got {min_sites_per_round!r}")
+        self.min_sites_per_round = min_sites_per_round
         self.datasets = self._datasets(datasets, "datasets")
         for name, value in (("allow_byoc", allow_byoc), ("allow_log_streaming", allow_log_streaming)):
             if not isinstance(value, bool):
@@ -247,7 +258,7 @@ class SitePolicyBuilder(Builder):
             raise ValueError(f"SitePolicyBuilder: {where} must map dataset names to folders, got {value!r}")
         return dict(value)
 
-    def site_config(self, participant, site: bool) -> dict:
+    def site_config(self, participant, site: bool, num_sites: int = 0) -> dict:
         """The ``fedpartial_site.json`` of a site (its datasets) or of the server (none), with the
         participant's floors, limits and weighting at their defaults (the server's floors and
         submission limits on sites)."""
@@ -259,6 +270,9 @@ class SitePolicyBuilder(Builder):
             own = participant.get_prop("datasets")
             datasets = self.datasets if own is None else self._datasets(own, f"'datasets' of {participant.name}")
         floors = {k: v for k, v in FLOORS.items() if site == (k == "min_count")}
+        if not site:
+            floors["min_sites_per_round"] = max(FLOORS["min_sites_per_round"], num_sites) \
+                if self.min_sites_per_round == "all" else self.min_sites_per_round
         own = {"weighting": dict(SITE_WEIGHTING)} if site else {**SUBMISSION_LIMITS, "weighting": dict(SERVER_WEIGHTING)}
         return {"format_version": FORMAT_VERSION, "datasets": datasets, **floors, **LIMITS, **own}
 
@@ -316,6 +330,7 @@ class SitePolicyBuilder(Builder):
                 raise ValueError(f"SitePolicyBuilder: '{authz_default}': {e}") from None
             _write_json(os.path.join(local, RESOURCES_JSON), resources)
             _write_json(os.path.join(local, AUTHORIZATION_JSON), policy)
-            _write_json(os.path.join(local, SITE_CONFIG), self.site_config(participant, site))
+            _write_json(os.path.join(local, SITE_CONFIG),
+                        self.site_config(participant, site, len(list(project.get_clients()))))
             if self.privacy_file and site:
                 shutil.copyfile(self.privacy_file, os.path.join(local, PRIVACY_JSON))
