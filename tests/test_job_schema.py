@@ -647,3 +647,23 @@ def test_the_weighting_names_arguments_of_the_schema_and_every_shipped_job_runs_
         job = next(j for j in every_job if j.name == name)
         check_weighting(check_config(_configs(job)["server"], "server"), {"path": "kit", "weighting": weighting},
                         "server", job.name, "kit")
+
+
+def test_a_job_brings_no_filter_that_changes_the_weights_a_site_sends(tmp_path):
+    """PercentilePrivacy clips each site's update at gamma x its published sample count: a clipped job
+    and a plain one are two combinations of the same local models, solved for 70 % of both sites'
+    updates. At a provisioned participant only its own privacy.json adds such a filter."""
+    from fedpartial.flare.site_config import check_job_filters
+
+    def clipped(config):
+        config.setdefault("task_result_filters", []).append({"tasks": ["train"], "filters": [{
+            "path": "nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",
+            "args": {"percentile": 0, "gamma": 1.1e-6, "data_kinds": ["WEIGHT_DIFF"]}}]})
+
+    job = _edit(_job(tmp_path), "client", clipped)
+    message = ("refuses the job: its filter PercentilePrivacy (client.filters) changes the weights each site "
+               "sends by the job's arguments; a site adds it in its own local/privacy.json")
+    for side, name, where in (("server", "server", "the server"), ("client", "site-1", "site 'site-1'")):
+        err, _ = JobGate(side).validate(str(_deploy(_kit(tmp_path / side, side == "server"), job, name)))
+        assert err.startswith(f"{where} {message}"), err
+    check_job_filters(check_config(_configs(job)["client"], "client"), None, "dev")  # the bench measures it

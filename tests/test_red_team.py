@@ -629,3 +629,26 @@ def test_a_job_cannot_choose_how_the_sites_are_weighted(system, tmp_path, side, 
     result = _run(system, tmp_path, job)
     where = ("server_main",) if side == "server" else ("site-1_main", "site-2_main")
     _refused_at_deployment(system, tmp_path, result, message, where=where)
+
+
+@pytest.mark.slow
+def test_a_job_cannot_clip_each_sites_update_by_its_own_threshold(system, tmp_path):
+    """PercentilePrivacy with gamma 1.1e-6 clips each site's weight difference at gamma x its sample
+    count (published in metrics.json): beside the plain job, a second combination of the same local
+    models, which an outside attempt solved for 70 % of both sites' round-0 updates."""
+    job = _job(tmp_path, "clipped")
+
+    def clipped(config):
+        config["task_data_filters"] = [{"tasks": ["train"], "filters": [
+            {"path": "fedpartial.flare.filters.SendWeightDiff", "args": {}}]}]
+        config["task_result_filters"] = [{"tasks": ["train"], "filters": [
+            {"path": "fedpartial.flare.filters.SendWeightDiff", "args": {}},
+            {"path": "nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",
+             "args": {"percentile": 0, "gamma": 1.1e-6, "data_kinds": ["WEIGHT_DIFF"]}}]}]
+
+    _edit(job, "client", clipped)
+    _edit(job, "server", lambda c: c.__setitem__("task_result_filters", [{"tasks": ["train"], "filters": [
+        {"path": "fedpartial.flare.filters.RestoreFullWeights", "args": {}}]}]))
+    result = _run(system, tmp_path, job)
+    _refused_at_deployment(system, tmp_path, result, "the server refuses the job: its filter PercentilePrivacy "
+                                                     "(client.filters) changes the weights each site sends")

@@ -23,7 +23,7 @@ from fedpartial.algorithms.robust import WEIGHT_RULES, UpdateScreen, trim_count
 from fedpartial.algorithms.thresholds import HISTOGRAM_KEY, check_histograms, choose_thresholds, pool_histograms
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE, atomic_write_json,
                                      build_model_from_settings, jsonable, model_settings)
-from fedpartial.flare.site_config import floor, participant_config, site_rules
+from fedpartial.flare.site_config import AGGREGATOR_WEIGHTING, floor, participant_config, site_rules
 from fedpartial.metrics.segmentation import pooled_validation
 
 METRICS_FILE = "metrics.json"
@@ -111,8 +111,10 @@ class RuleAggregator(Aggregator):
 
     def __init__(self, rule: str = "fedavg", rule_args: dict = None,
                  model: dict = None, min_valid_updates: int = 1, min_sites_for_shared_stats: int = 3,
-                 cap_samples: bool = True, max_norm_ratio: float = 10.0, weight_rule: str = "mean",
-                 trim_fraction: float = 0.2):
+                 cap_samples: bool = AGGREGATOR_WEIGHTING["cap_samples"],
+                 max_norm_ratio: float = AGGREGATOR_WEIGHTING["max_norm_ratio"],
+                 weight_rule: str = AGGREGATOR_WEIGHTING["weight_rule"],
+                 trim_fraction: float = AGGREGATOR_WEIGHTING["trim_fraction"]):
         super().__init__()
         if int(min_sites_for_shared_stats) < 0:
             raise ValueError(f"RuleAggregator min_sites_for_shared_stats must be >= 0, got {min_sites_for_shared_stats}")

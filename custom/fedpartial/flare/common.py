@@ -164,3 +164,13 @@ def model_file_meta(settings: Dict[str, Any], **extra) -> Dict[str, Any]:
         meta[AGREEMENT_KEY] = settings[AGREEMENT_KEY]
     meta.update(extra)
     return meta
+
+
+def app_targets(deploy_map) -> dict:
+    """``{app: (goes to the server, goes to a site)}`` of a job's ``deploy_map``."""
+    out = {}
+    for app, targets in (deploy_map or {}).items():
+        names = [t if isinstance(t, str) else (t or {}).get("sites", t) for t in targets or []]
+        flat = [str(n).lower() for t in names for n in (t if isinstance(t, list) else [t])]
+        out[app] = ("server" in flat or "@all" in flat, any(n != "server" for n in flat))
+    return out

@@ -15,7 +15,9 @@ as the job ships them, and refuses:
   also reads ``.conf`` / ``.yml`` configs, with their own substitutions, and a job process looks for
   ``comm_config.json``, ``resources.json`` and others by walking the participant's kit, job folders
   included;
-* at this participant, a job asking more than its limits (:func:`fedpartial.flare.site_config.check_limits`);
+* at this participant, a job asking more than its limits (:func:`fedpartial.flare.site_config.check_limits`),
+  weighting the sites otherwise than it does (:func:`fedpartial.flare.site_config.check_weighting`), or
+  bringing a filter that changes the weights a site sends (:func:`fedpartial.flare.site_config.check_job_filters`);
 * at a provisioned server, a round-0 model (``model.pretrained``, ``resume_from``) that is not in
   the server kit's own folders (:func:`fedpartial.flare.site_config.check_server_files`).
 
@@ -42,8 +44,8 @@ from nvflare.fuel.utils.config import ConfigFormat, ConfigLoader
 from nvflare.fuel.utils.config_factory import ConfigFactory
 
 from fedpartial.flare.job_schema import CLIENT, CONFIG_FILES, SERVER, check_config
-from fedpartial.flare.site_config import (SUBMISSION_LIMITS, check_limits, check_server_files, check_weighting,
-                                          load_site_config, site_config_path, site_rules)
+from fedpartial.flare.site_config import (SUBMISSION_LIMITS, check_job_filters, check_limits, check_server_files,
+                                          check_weighting, load_site_config, site_config_path, site_rules)
 
 GATE_PATH = "fedpartial.flare.job_gate.JobGate"
 SUBMISSION_GATE_PATH = "fedpartial.flare.job_gate.SubmissionGate"
@@ -131,6 +133,8 @@ def check_app(app_folder: str, side: str, workspace_root: str, where: str) -> Di
             raise ValueError(f"{where} refuses the job: {e}") from None
     check_limits(out[side], rules, where, source)
     check_weighting(out[side], config, side, where, source)
+    for checked in out.values():
+        check_job_filters(checked, config, where)
     if side == SERVER and config is not None:
         check_server_files(out[side], workspace_root, where)
     return out

@@ -455,7 +455,7 @@ def _sites_run_servers_app(run_dir: str) -> bool:
     the server's run folder (none, as in the simulator: one app). Only then is the client config in
     the server's app folder what the sites ran: a job may give the server an app of its own with a
     client config the sites never saw."""
-    from fedpartial.flare.persistor import app_targets
+    from fedpartial.flare.common import app_targets
 
     meta = _load_json(os.path.join(run_dir, "meta.json"))
     if meta is None:

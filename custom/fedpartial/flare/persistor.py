@@ -20,24 +20,14 @@ from nvflare.app_common.model_desc import ModelDescriptor
 
 from fedpartial.algorithms.thresholds import threshold_meta
 from fedpartial.flare.aggregators import DECISION_THRESHOLDS, METRICS_FILE
-from fedpartial.flare.common import (GLOBAL_STATS, build_model_from_settings, model_file_meta, model_settings,
-                                     runtime_description, runtime_version_error)
+from fedpartial.flare.common import (GLOBAL_STATS, app_targets, build_model_from_settings, model_file_meta,
+                                     model_settings, runtime_description, runtime_version_error)
 from fedpartial.flare.site_config import PRETRAINED_DIR, RESUME_DIR, confined, load_site_config
 from fedpartial.training.common import state_dict_numpy
 
 GLOBAL_MODEL_FILE = "global_model.pt"
 BEST_MODEL_FILE = "best_global_model.pt"
 SERVER_MODELS = {"SRV_global_model": GLOBAL_MODEL_FILE, "SRV_best_global_model": BEST_MODEL_FILE}
-
-
-def app_targets(deploy_map) -> dict:
-    """``{app: (goes to the server, goes to a site)}`` of a job's ``deploy_map``."""
-    out = {}
-    for app, targets in (deploy_map or {}).items():
-        names = [t if isinstance(t, str) else (t or {}).get("sites", t) for t in targets or []]
-        flat = [str(n).lower() for t in names for n in (t if isinstance(t, list) else [t])]
-        out[app] = ("server" in flat or "@all" in flat, any(n != "server" for n in flat))
-    return out
 
 
 def one_client_app_error(fl_ctx: FLContext) -> str:

@@ -145,8 +145,10 @@ SUBMISSION_LIMITS = {
 #: shipped jobs run). Two jobs that combine the same local models with other weights are two
 #: equations in them, and the submitter solves for each site's model. Keys: an argument of the
 #: server's ``RuleAggregator``, or ``<rule>.<argument>`` of a rule's ``rule_args``.
+#: the server aggregator's own weighting arguments, its constructor's defaults
+AGGREGATOR_WEIGHTING = {"weight_rule": "mean", "trim_fraction": 0.2, "cap_samples": True, "max_norm_ratio": 10.0}
 SERVER_WEIGHTING = {
-    "weight_rule": "mean", "trim_fraction": 0.2, "cap_samples": True, "max_norm_ratio": 10.0,
+    **AGGREGATOR_WEIGHTING,
     "fedlsm.use_awpa": True, "fedlsm.without_awpa": "masked", "fedmlp.classifier_rows": "fedavg",
     "fedirm.relation_weighting": "sites", "fedirm.unlabelled_weight": 0.05,
     # when the completeness weighting starts: two jobs switching at different rounds would weight
@@ -214,13 +216,11 @@ def _default(side: str, rule: str, arg: str):
     """The constructor default of ``arg`` of the server's aggregator (``rule`` "") or of a rule."""
     import inspect
 
-    if rule:
-        from fedpartial.algorithms.registry import rule_class
+    from fedpartial.algorithms.registry import rule_class
 
-        cls = rule_class(side, rule)
-    else:
-        from fedpartial.flare.aggregators import RuleAggregator as cls
-    return inspect.signature(cls.__init__).parameters[arg].default
+    if not rule:
+        return AGGREGATOR_WEIGHTING[arg]
+    return inspect.signature(rule_class(side, rule).__init__).parameters[arg].default
 
 
 def check_weighting(checked, config: Optional[dict], side: str, where: str, source: str) -> None:
@@ -262,6 +262,32 @@ def check_weighting(checked, config: Optional[dict], side: str, where: str, sour
                                  f"weighted is this participant's to decide ({wanted!r}, '{key}' of 'weighting' in "
                                  f"{source}): two jobs weighting the same local models differently let their "
                                  f"submitter solve for each site's model")
+
+
+#: Filters that change the weights a site sends by the job's arguments, per site (FLARE's
+#: ``PercentilePrivacy`` clips each update at gamma x that site's published sample count). From a
+#: job, a clipped and a plain job are two different combinations of the same local models, which an
+#: outside attempt solved for 70 % of both sites' updates; at a provisioned participant only its own
+#: ``privacy.json`` scope adds them, the same for every job.
+SITE_SCOPE_FILTERS = ("nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",)
+
+
+def check_job_filters(checked, config: Optional[dict], where: str) -> None:
+    """A provisioned participant refuses a job whose own filters change the weights a site sends
+    (:data:`SITE_SCOPE_FILTERS`); a development site (``config`` None) runs them (the bench's
+    privacy measurements).
+
+    Raises:
+        ValueError: naming the filter and where its place is.
+    """
+    if config is None:
+        return
+    for place, path, _ in checked.components:
+        if place.endswith(".filters") and path in SITE_SCOPE_FILTERS:
+            raise ValueError(f"{where} refuses the job: its filter {path.rpartition('.')[2]} ({place}) changes the "
+                             f"weights each site sends by the job's arguments; a site adds it in its own "
+                             f"local/privacy.json, the same for every job: from a job, a filtered and a plain job "
+                             f"combine the same local models two ways")
 
 
 def participant_config(fl_ctx) -> Optional[dict]:
