@@ -172,6 +172,7 @@ def test_preflight_passes_a_kit_as_provisioned_with_data(site, tmp_path, capsys,
     rows = {r["check"]: r for r in site_kit.preflight(str(site))}
     assert all(r["ok"] for r in rows.values()), [r for r in rows.values() if not r["ok"]]
     assert rows["dataset 'study_a'"]["detail"] == str(data / "site-1.npz")  # the name from the certificate
+    assert rows["weighting"]["detail"].startswith("jobs run with fedavg.weight_by labelled_rows")
     cli.main(["preflight", str(site)])
     assert "FAIL" not in capsys.readouterr().out
 
@@ -188,6 +189,11 @@ def test_preflight_names_what_fails(site, tmp_path, capsys):
     offer_dataset(str(site), "study_a", str(tmp_path))  # no site-1.npz there
     (local / "privacy.json").unlink()
     rows = {r["check"]: r for r in site_kit.preflight(str(site), warn_days=400)}
+    config = json.loads((local / "fedpartial_site.json").read_text())
+    (local / "fedpartial_site.json").write_text(json.dumps({**config, "weighting": {"weight_rule": "median"}}))
+    assert "'weighting' holds ['weight_rule']; a client decides" in \
+        {r["check"]: r for r in site_kit.preflight(str(site))}["site configuration"]["detail"]
+    (local / "fedpartial_site.json").write_text(json.dumps(config))
     failed = sorted(name for name, r in rows.items() if not r["ok"])
     assert failed == ["allow-list", "certificates", "dataset 'study_a'", "logs stay here", "no code with jobs",
                       "privacy policy", "server"], failed
