@@ -327,8 +327,9 @@ def test_monai_weight_loading_through_arch_args_is_refused(system, tmp_path):
 
 @pytest.mark.slow
 def test_a_job_giving_one_site_other_settings_is_refused(system, tmp_path):
-    """Two client apps: site-2's zeroes its update (an allow-listed filter at an extreme), so the
-    "average" would be site-1's local model times its weight."""
+    """Two client apps: site-2's trains with other settings (here a learning rate of 1e-12; a filter that
+    zeroed its update is refused by the sites' gates on its own), so the "average" would be site-1's
+    local model times its weight."""
     import shutil
 
     job = _job(tmp_path, "two_apps")
@@ -336,9 +337,7 @@ def test_a_job_giving_one_site_other_settings_is_refused(system, tmp_path):
     _edit(job, "client", lambda c: None)
     client2 = job / "app2" / "config" / "config_fed_client.json"
     config = json.loads(client2.read_text())
-    config["task_result_filters"] = [{"tasks": ["train"], "filters": [{
-        "path": "nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",
-        "args": {"percentile": 100, "gamma": 1e-30}}]}]
+    config["executors"][0]["executor"]["args"].setdefault("rule_args", {})["lr"] = 1e-12
     client2.write_text(json.dumps(config))
     meta = json.loads((job / "meta.json").read_text())
     meta["deploy_map"] = {"app": ["server", "site-1"], "app2": ["site-2"]}
