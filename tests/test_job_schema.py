@@ -667,3 +667,31 @@ def test_a_job_brings_no_filter_that_changes_the_weights_a_site_sends(tmp_path):
         err, _ = JobGate(side).validate(str(_deploy(_kit(tmp_path / side, side == "server"), job, name)))
         assert err.startswith(f"{where} {message}"), err
     check_job_filters(check_config(_configs(job)["client"], "client"), None, "dev")  # the bench measures it
+
+
+def _stats_filter(config, **args):
+    chain = config["task_result_filters"][0]
+    chain["filters"][0]["args"] = {**chain["filters"][0]["args"], **args}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: _stats_filter(c, clip={"class_counts": [0, 10]}),
+     "its filter StatisticsPrivacyFilter sets ['clip']: a job's statistics filter names the method's preset"),
+    (lambda c: _stats_filter(c, min_count=100),
+     "its filter StatisticsPrivacyFilter min_count = 100 is above this participant's 5"),
+    (lambda c: c.__setitem__("task_result_filters", []),
+     "its rule 'fedlsm' sends statistics, and its client config has no StatisticsPrivacyFilter with the preset "
+     "'fedlsm' on its training task 'train'"),
+    (lambda c: c["task_result_filters"][0].__setitem__("tasks", ["other"]),
+     "has no StatisticsPrivacyFilter with the preset 'fedlsm' on its training task 'train'"),
+], ids=["clip", "min_count_between_sites", "no_filter", "other_task"])
+def test_every_job_of_a_method_sends_its_statistics_through_the_same_filter(tmp_path, change, message):
+    """Two FedLSM jobs that differ only in their statistics filter (counts clipped, or a min_count
+    between the two sites' counts) gave the server other class-wise row weights for the same local
+    models: an outside attempt solved both sites' classifier rows. At a provisioned site the job's
+    filter is the method's preset; the shipped job passes."""
+    site = _kit(tmp_path, False)
+    assert JobGate("client").validate(str(_deploy(site, _job(tmp_path, job="fedlsm"), "site-1"))) == ("", {})
+    job = _edit(_job(tmp_path, job="fedlsm"), "client", change)
+    err, _ = JobGate("client").validate(str(_deploy(site, job, "site-1")))
+    assert err.startswith("site 'site-1' refuses the job: ") and message in err, err

@@ -651,3 +651,24 @@ def test_a_job_cannot_clip_each_sites_update_by_its_own_threshold(system, tmp_pa
     result = _run(system, tmp_path, job)
     _refused_at_deployment(system, tmp_path, result, "the server refuses the job: its filter PercentilePrivacy "
                                                      "(client.filters) changes the weights each site sends")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job_name, change, message", [
+    ("fedlsm", lambda c: c["task_result_filters"][0]["filters"][0]["args"].update(clip={"class_counts": [0, 1]}),
+     "its filter StatisticsPrivacyFilter sets ['clip']: a job's statistics filter names the method's preset"),
+    ("fedlsm", lambda c: c["task_result_filters"][0]["filters"][0]["args"].update(min_count=6),
+     "its filter StatisticsPrivacyFilter min_count = 6 is above this participant's 5"),
+    ("fedavg", lambda c: c.__setitem__("task_result_filters", [{"tasks": ["train"], "filters": [
+        {"path": "fedpartial.flare.result_policy.SiteResultPolicy", "args": {"min_count": 27}}]}]),
+     "its filter SiteResultPolicy min_count = 27 is above this participant's 5"),
+], ids=["clipped_counts", "min_count_between_sites", "site_policy_min_count"])
+def test_a_job_cannot_change_the_statistics_the_sites_send(system, tmp_path, job_name, change, message):
+    """FedLSM weights each class row by the counts the sites send: a job's filter clipping them, or a
+    min_count between the two sites' counts (one site withholds, the published row is the other's),
+    gave a fourth outside attempt both sites' classifier rows; a SiteResultPolicy min_count between
+    the sites' val positives gave one site's own decision threshold."""
+    job = _job(tmp_path, "stats", job=job_name)
+    _edit(job, "client", change)
+    result = _run(system, tmp_path, job)
+    _refused_at_deployment(system, tmp_path, result, f"the server refuses the job: {message}")

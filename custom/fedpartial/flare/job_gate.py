@@ -115,7 +115,7 @@ def check_app(app_folder: str, side: str, workspace_root: str, where: str) -> Di
     # named relative to the kit: a refusal reaches the submitter, a kit's path is the site's own
     source = (os.path.relpath(config["path"], workspace_root) if config
               else os.path.relpath(site_config_path(workspace_root), workspace_root) + ", defaults")
-    out = {}
+    out, raws = {}, {}
     for s in sides:
         path = os.path.join(folder, CONFIG_FILES[s])
         if not os.path.isfile(path):
@@ -127,14 +127,15 @@ def check_app(app_folder: str, side: str, workspace_root: str, where: str) -> Di
                 raw = json.load(f)
         except (OSError, ValueError) as e:
             raise ValueError(f"{where} refuses the job: {CONFIG_FILES[s]} cannot be read: {e}") from None
+        raws[s] = raw
         try:
             out[s] = check_config(raw, s, byoc=byoc)
         except ValueError as e:
             raise ValueError(f"{where} refuses the job: {e}") from None
     check_limits(out[side], rules, where, source)
     check_weighting(out[side], config, side, where, source)
-    for checked in out.values():
-        check_job_filters(checked, config, where)
+    for s, checked in out.items():
+        check_job_filters(checked, config, where, raws[s] if s == CLIENT else None)
     if side == SERVER and config is not None:
         check_server_files(out[side], workspace_root, where)
     return out

@@ -101,7 +101,8 @@ def confined(base: str, relative: str, field: str, where: str) -> str:
 #: the file name patterns a job may give a provisioned site: its own site file or site folder
 SITE_FILE_PATTERNS = ("{site}.npz",)  # a site folder is found beside it (<site>/), see resolve_data_file
 #: Privacy floors of a participant (keys of its file): a job may only make them stricter, the
-#: larger of the participant's and the job's value applies.
+#: larger of the participant's and the job's value applies (``min_count`` at a provisioned site:
+#: not even stricter, see :data:`STATISTICS_FILTERS`).
 FLOORS = {
     # the fewest images behind any count, statistic or curve that leaves a site
     "min_count": 5,
@@ -150,6 +151,8 @@ AGGREGATOR_WEIGHTING = {"weight_rule": "mean", "trim_fraction": 0.2, "cap_sample
 SERVER_WEIGHTING = {
     **AGGREGATOR_WEIGHTING,
     "fedlsm.use_awpa": True, "fedlsm.without_awpa": "masked", "fedmlp.classifier_rows": "fedavg",
+    # which sites enter a class's averaged prototype: one count between two sites' leaves one site's
+    "fedmlp.min_prototype_samples": 1,
     "fedirm.relation_weighting": "sites", "fedirm.unlabelled_weight": 0.05,
     # when the completeness weighting starts: two jobs switching at different rounds would weight
     # one round's local models by size and by completeness
@@ -272,22 +275,75 @@ def check_weighting(checked, config: Optional[dict], side: str, where: str, sour
 SITE_SCOPE_FILTERS = ("nvflare.app_common.filters.percentile_privacy.PercentilePrivacy",)
 
 
-def check_job_filters(checked, config: Optional[dict], where: str) -> None:
-    """A provisioned participant refuses a job whose own filters change the weights a site sends
-    (:data:`SITE_SCOPE_FILTERS`); a development site (``config`` None) runs them (the bench's
-    privacy measurements).
+#: The job's statistics filters: at a provisioned participant a job names the method's preset and
+#: nothing else of them (a ``min_count`` up to the participant's own, which applies anyway). Other
+#: arguments, or a ``min_count`` between two sites' counts, change which statistics each site sends
+#: and so how the server weights the same local models (FedLSM's class-wise rows: an outside attempt
+#: solved both sites' classifier rows from two such jobs).
+STATISTICS_FILTERS = ("fedpartial.flare.filters.StatisticsPrivacyFilter",
+                      "fedpartial.flare.result_policy.SiteResultPolicy")
+#: the client rules that send statistics, and the presets of their statistics filter
+STATISTICS_PRESETS = {"fedlsm": ("fedlsm",), "fedmlp": ("fedmlp",), "fedirm": ("fedirm", "fedirm_multilabel"),
+                      "fedia": ("fedia",)}
+
+
+def check_job_filters(checked, config: Optional[dict], where: str, raw: Optional[dict] = None) -> None:
+    """A provisioned participant runs a job's filters only as the method ships them, so that every
+    job of a method sends the same statistics and weights: no filter that changes the weights a site
+    sends (:data:`SITE_SCOPE_FILTERS`), a statistics filter with the method's preset only
+    (:data:`STATISTICS_FILTERS`), and, for a rule that sends statistics, that filter on its training
+    task. A development site (``config`` None) runs any (the bench's privacy measurements).
+
+    Args:
+        checked: a config as :func:`fedpartial.flare.job_schema.check_config` returns it.
+        config: the participant's file; None = a development site.
+        where: who refuses.
+        raw: the client config as the job wrote it (for the tasks its statistics filter covers).
 
     Raises:
-        ValueError: naming the filter and where its place is.
+        ValueError: naming the filter, argument and value.
     """
     if config is None:
         return
-    for place, path, _ in checked.components:
-        if place.endswith(".filters") and path in SITE_SCOPE_FILTERS:
-            raise ValueError(f"{where} refuses the job: its filter {path.rpartition('.')[2]} ({place}) changes the "
-                             f"weights each site sends by the job's arguments; a site adds it in its own "
-                             f"local/privacy.json, the same for every job: from a job, a filtered and a plain job "
-                             f"combine the same local models two ways")
+    floor_count = site_rules(config)["min_count"]
+    covered = set()  # the tasks whose results pass a statistics filter
+    for chain in (raw or {}).get("task_result_filters", []):
+        if any(isinstance(f, dict) and f.get("path") in STATISTICS_FILTERS for f in chain.get("filters", [])):
+            covered |= set(chain.get("tasks") or [])
+
+    def refuse(what: str, why: str):
+        raise ValueError(f"{where} refuses the job: {what} {why}")
+
+    presets = []
+    for place, path, args in checked.components:
+        name = path.rpartition(".")[2]
+        if not place.endswith(".filters"):
+            continue
+        if path in SITE_SCOPE_FILTERS:
+            refuse(f"its filter {name} ({place})", "changes the weights each site sends by the job's arguments; a "
+                   "site adds it in its own local/privacy.json, the same for every job: from a job, a filtered "
+                   "and a plain job combine the same local models two ways")
+        if path in STATISTICS_FILTERS:
+            extra = sorted(set(args) - {"preset", "min_count"})
+            if extra:
+                refuse(f"its filter {name} sets {extra}:", "a job's statistics filter names the method's preset "
+                       "(and a min_count up to this participant's): other settings change which statistics each "
+                       "site sends, and so how the server weights the same local models")
+            if int(args.get("min_count", 0)) > floor_count:
+                refuse(f"its filter {name} min_count = {args['min_count']}", f"is above this participant's "
+                       f"{floor_count} ('min_count' in local/fedpartial_site.json): a count chosen between two "
+                       f"sites' makes one of them withhold a statistic, and so changes how the server weights the "
+                       f"same local models")
+            presets.append(args.get("preset"))
+    for _, path, args in checked.components:
+        if not path.endswith(".FedPartialExecutor"):
+            continue
+        wanted = STATISTICS_PRESETS.get(args.get("rule", "fedavg"))
+        task = args.get("train_task_name", "train")
+        if wanted and (not set(presets) & set(wanted) or (raw is not None and not covered & {task, "*"})):
+            refuse(f"its rule '{args.get('rule')}'", f"sends statistics, and its client config has no "
+                   f"StatisticsPrivacyFilter with the preset {wanted[0]!r} on its training task {task!r}: every "
+                   f"job of a method sends its statistics through the same filter")
 
 
 def participant_config(fl_ctx) -> Optional[dict]:
