@@ -90,7 +90,7 @@ def _tags(event_dir: Path) -> set:
 
 
 @pytest.mark.slow
-def test_the_site_policy_holds_for_a_job_without_filters(system, tmp_path):
+def test_the_site_policy_holds_for_a_job_asking_for_the_local_models(system, tmp_path):
     from fedpartial.flare.recorder import load_recorded
     from fedpartial.flare.common import GLOBAL_STATS, SITE_STATS
 
@@ -98,10 +98,14 @@ def test_the_site_policy_holds_for_a_job_without_filters(system, tmp_path):
     job = _job(tmp_path, ["submit_model_task_name=submit_model"])
     client_file = job / "app" / "config" / "config_fed_client.json"
     client = json.loads(client_file.read_text())
-    # ... and has no privacy filter of its own: only recorders, which run AFTER the site's scope filters
+    # ... with only the statistics filter a provisioned site requires of FedLSM (the method's preset),
+    # and recorders, which run AFTER the site's scope filters and the job's
     record = tmp_path / "wire"
     recorder = {"path": "fedpartial.flare.recorder.MessageRecorder", "args": {"folder": str(record)}}
-    client["task_result_filters"] = [{"tasks": ["train", "submit_model", "validate"], "filters": [recorder]}]
+    statistics = next(f for chain in client["task_result_filters"] for f in chain["filters"]
+                      if f["path"].endswith("StatisticsPrivacyFilter"))
+    client["task_result_filters"] = [{"tasks": ["train", "submit_model", "validate"],
+                                      "filters": [statistics, recorder]}]
     client["task_data_filters"] = [{"tasks": ["train"], "filters": [recorder]}]
     client_file.write_text(json.dumps(client))
 
