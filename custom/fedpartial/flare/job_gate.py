@@ -259,8 +259,9 @@ def upload_error(zip_path: str, job_folder: str, limits: Dict[str, int]) -> str:
                 f"local/fedpartial_site.json of the server's kit)")
 
     try:
-        if os.path.getsize(zip_path) > limits["max_job_bytes"]:
-            return refuse("its upload of", os.path.getsize(zip_path), "max_job_bytes")
+        uploaded = os.path.getsize(zip_path)
+        if uploaded > limits["max_job_bytes"]:
+            return refuse("its upload of", uploaded, "max_job_bytes")
         with zipfile.ZipFile(zip_path) as zf:
             infos = zf.infolist()
     except (OSError, zipfile.BadZipFile) as e:

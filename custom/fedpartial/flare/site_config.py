@@ -141,13 +141,13 @@ SUBMISSION_LIMITS = {
     "max_job_files": 1000,           # files and folders in the job
     "max_meta_bytes": 64 * 2 ** 10,  # bytes of its meta.json
 }
+#: the server aggregator's own weighting arguments, its constructor's defaults
+AGGREGATOR_WEIGHTING = {"weight_rule": "mean", "trim_fraction": 0.2, "cap_samples": True, "max_norm_ratio": 10.0}
 #: How the sites' updates are combined is the participant's to decide, not a job's: a job leaves
 #: each at the participant's value (key ``weighting`` of its file; these the defaults, as the
 #: shipped jobs run). Two jobs that combine the same local models with other weights are two
 #: equations in them, and the submitter solves for each site's model. Keys: an argument of the
 #: server's ``RuleAggregator``, or ``<rule>.<argument>`` of a rule's ``rule_args``.
-#: the server aggregator's own weighting arguments, its constructor's defaults
-AGGREGATOR_WEIGHTING = {"weight_rule": "mean", "trim_fraction": 0.2, "cap_samples": True, "max_norm_ratio": 10.0}
 SERVER_WEIGHTING = {
     **AGGREGATOR_WEIGHTING,
     "fedlsm.use_awpa": True, "fedlsm.without_awpa": "masked", "fedmlp.classifier_rows": "fedavg",
@@ -156,8 +156,8 @@ SERVER_WEIGHTING = {
     "fedirm.relation_weighting": "sites", "fedirm.unlabelled_weight": 0.05,
     # when the completeness weighting starts: two jobs switching at different rounds would weight
     # one round's local models by size and by completeness
-    "fedia.warmup_rounds": 10, "fedia.use_completeness_weighting": True, "fedia.fedavg_after_all_corrected": True, "fedia.loss_floor": 1e-6,
-    "fedia.completeness_max": 1.0, "fedia.max_weight_ratio": 2.0,
+    "fedia.warmup_rounds": 10, "fedia.use_completeness_weighting": True, "fedia.fedavg_after_all_corrected": True,
+    "fedia.loss_floor": 1e-6, "fedia.completeness_max": 1.0, "fedia.max_weight_ratio": 2.0,
 }
 #: ... and at a site, what it reports as its weight (the executor's ``rule_args``)
 SITE_WEIGHTING = {
@@ -253,11 +253,10 @@ def check_weighting(checked, config: Optional[dict], side: str, where: str, sour
         rule_args = args.get("rule_args") or {}
         for key, wanted in own.items():
             owner, _, arg = key.rpartition(".")
-            if owner and owner != rule:
+            # a rule's argument of the rule this component runs; the aggregator's own of the aggregator
+            if (owner and owner != rule) or (not owner and name != "RuleAggregator"):
                 continue
             values = rule_args if owner else args
-            if not owner and name != "RuleAggregator":
-                continue
             value = values[arg] if arg in values else _default(side, owner, arg)
             if value != wanted:
                 field = f"rule_args.{arg} of rule '{rule}'" if owner else arg
