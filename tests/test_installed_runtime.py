@@ -46,7 +46,7 @@ DATASET = "demo"  # the name each site's kit offers its site files under (local/
 OTHER_VERSION = "0.0.0.dev7"  # any version but the installed one
 OVERRIDES = ["num_rounds=1", "server.min_clients=2", f"model.class_names={json.dumps(CLASSES)}",
              "model.input_size=[16,16]", "model.in_channels=3", "model.arch_args.width=8",
-             "rule_args.batch_size=16", "device=cpu"]
+             "rule_args.batch_size=4", "device=cpu"]
 
 
 def _site_cmd(system, *args, check=True):

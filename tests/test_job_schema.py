@@ -20,7 +20,7 @@ from fedpartial.flare import job_schema
 from fedpartial.flare.allowed import CLASS_ALLOW_LIST
 from fedpartial.flare.job_gate import GATE_PATH, SUBMISSION_GATE_PATH, JobGate, check_app, gate_error
 from fedpartial.flare.job_schema import COMPONENTS, JobRefused, check_config
-from fedpartial.flare.site_config import (FLOORS, LIMITED_ARGS, LIMITS, SERVER_WEIGHTING, SITE_WEIGHTING,
+from fedpartial.flare.site_config import (FLOORS, FRACTION_FLOORS, LIMITED_ARGS, LIMITS, PARTICIPANT_TABLES,
                                           SUBMISSION_LIMITS, check_limits, site_rules)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -320,6 +320,18 @@ def test_a_job_beyond_a_participants_limits_is_refused_before_anything_is_built(
     assert JobGate(side).validate(str(app)) == ("", {})
 
 
+def test_a_site_refuses_adam_betas_that_make_every_step_a_gradient_sign(tmp_path):
+    """Adam with beta1 = beta2 = 0 moves each weight by +-lr at every step: an outside attempt
+    decoded 99.94 % of both sites' 3-step updates from one 2-site average."""
+    kit = _kit(tmp_path, False)
+    app = _deploy(kit, _job(tmp_path, ["rule_args.betas=[0, 0]"]), "site-1")
+    err, _ = JobGate("client").validate(str(app))
+    assert ("site 'site-1' refuses the job: FedPartialExecutor rule_args.betas = [0, 0]: Adam's beta2 below this "
+            "participant's floor of 0.9 ('min_adam_beta2' in local/fedpartial_site.json)") in err, err
+    app = _deploy(kit, _job(tmp_path, ["rule_args.betas=[0, 0.9]"]), "site-1")
+    assert JobGate("client").validate(str(app)) == ("", {})
+
+
 def test_the_round0_model_comes_from_the_server_kit_never_the_jobs_app_folder(tmp_path):
     server = _kit(tmp_path, True)
     job = _job(tmp_path, ['model.pretrained="crafted.pt"'])
@@ -441,11 +453,14 @@ def test_a_site_refuses_rounds_beyond_its_limit(caplog):
 
 def test_floors_and_limits_have_documented_defaults_and_a_site_may_change_them():
     rules = site_rules({"path": "x", "max_batch_size": 32, "min_count": 10})
-    assert rules == {**FLOORS, **LIMITS, **SUBMISSION_LIMITS, "max_batch_size": 32, "min_count": 10}
+    assert rules == {**FLOORS, **FRACTION_FLOORS, **LIMITS, **SUBMISSION_LIMITS, "max_batch_size": 32, "min_count": 10}
     with pytest.raises(ValueError, match="min_sites_per_round must be an integer >= 1"):
         site_rules({"path": "x", "min_sites_per_round": 0})
+    with pytest.raises(ValueError, match=r"min_adam_beta2 must be a number in \[0, 1\), got 1"):
+        site_rules({"path": "x", "min_adam_beta2": 1})
     deployment = (REPO / "docs" / "DEPLOYMENT.md").read_text()
-    for key, value in {**FLOORS, **LIMITS, **SUBMISSION_LIMITS, **SERVER_WEIGHTING, **SITE_WEIGHTING}.items():
+    tables = {key: value for server, site, _, _ in PARTICIPANT_TABLES.values() for key, value in {**server, **site}.items()}
+    for key, value in {**FLOORS, **FRACTION_FLOORS, **LIMITS, **SUBMISSION_LIMITS, **tables}.items():
         shown = f"{value:,}" if isinstance(value, (int, float)) and not isinstance(value, bool) else \
             json.dumps(value).strip('"')
         assert f"`{key}`" in deployment and (shown in deployment or str(value) in deployment), key
@@ -604,6 +619,26 @@ def test_a_job_leaves_the_weighting_to_each_participant(tmp_path, side, override
     check_weighting(check_config(_configs(job)[side], side), None, side, "dev", "none")  # development: any
 
 
+@pytest.mark.parametrize("side, assignment, key", [("client", "rule_args.high=0.4022", "fedmlp.high"),
+                                                   ("server", "rule_args.t1=0.01", "fedmlp.t1")])
+def test_a_job_leaves_the_selection_of_what_a_site_sends_to_each_participant(tmp_path, side, assignment, key):
+    """FedMLP's learning degree at high 0.4021 and 0.4022, two jobs otherwise the same, published 3
+    and then 1 of a site's images: a per-image score oracle. The thresholds that select the images
+    behind what a site sends are the participant's ('statistics' of its file)."""
+    target = {"server": "server", "client": "site-1"}[side]
+    kit = _kit(tmp_path, side == "server")
+    assert JobGate(side).validate(str(_deploy(kit, _job(tmp_path, job="fedmlp"), target))) == ("", {})
+    job = _edit(_job(tmp_path, job="fedmlp"), side, lambda c: _set_weighting(c, side, assignment))
+    err, _ = JobGate(side).validate(str(_deploy(kit, job, target)))
+    value = json.loads(assignment.partition("=")[2])
+    assert (f"rule_args.{key.split('.')[1]} of rule 'fedmlp' = {value}; which images enter what a site sends is "
+            f"this participant's to decide") in err and f"'{key}' of 'statistics' in local/fedpartial_site.json" \
+        in err and str(kit) not in err, err
+    (kit / "local" / "fedpartial_site.json").write_text(json.dumps({"format_version": 1, "datasets": {},
+                                                                   "statistics": {key: value}}))
+    assert JobGate(side).validate(str(_deploy(kit, job, target))) == ("", {})  # the participant's own choice
+
+
 def _set_weighting(config, side, assignment):
     key, _, value = assignment.partition("=")
     if side == "server":
@@ -623,30 +658,44 @@ def test_the_weighting_names_arguments_of_the_schema_and_every_shipped_job_runs_
     from fedpartial.flare.site_config import check_weighting
 
     aggregator = COMPONENTS["fedpartial.flare.aggregators.RuleAggregator"].args
-    for side, table, rules in (("server", SERVER_WEIGHTING, job_schema.SERVER_RULE_ARGS),
-                               ("client", SITE_WEIGHTING, job_schema.CLIENT_RULE_ARGS)):
-        for key in table:
-            rule, _, arg = key.rpartition(".")
-            assert (arg in rules[rule]) if rule else (side == "server" and arg in aggregator), key
+    for server_table, site_table, _, _ in PARTICIPANT_TABLES.values():
+        for side, table, rules in (("server", server_table, job_schema.SERVER_RULE_ARGS),
+                                   ("client", site_table, job_schema.CLIENT_RULE_ARGS)):
+            for key in table:
+                rule, _, arg = key.rpartition(".")
+                assert (arg in rules[rule]) if rule else (side == "server" and arg in aggregator), key
     refused = {}
     for job in every_job:
         for side, config in _configs(job).items():
             try:
                 check_weighting(check_config(config, side), {"path": "kit"}, side, job.name, "kit")
             except ValueError as e:
-                refused[job.name] = str(e)
-    # three profiles keep the paper's schedule or weighting (FedIRM's paper and multi-label: its cpu value was
-    # measured on HAM10000 only; FedIA on COVID lungs: the paper's 40 warm-up rounds): a consortium
-    # running one says so in the server's file, and the same job then runs
-    own = {"fedirm-multilabel": {"fedirm.unlabelled_weight": 1.0}, "fedirm-paper": {"fedirm.unlabelled_weight": 1.0},
-           "fedia-covid": {"fedia.warmup_rounds": 40}}
+                refused.setdefault(job.name, []).append(str(e))
+    # profiles that keep the paper's weighting or thresholds, or a data set's (FedIRM's paper and
+    # multi-label: its cpu weight was measured on HAM10000 only; FedIA on COVID lungs: the paper's 40
+    # warm-up rounds; FedLSM on 14 classes: its confident share): a consortium running one says so in
+    # its kits' files, and the same job then runs
+    own = {"fedirm-multilabel": {"server": {"weighting": {"fedirm.unlabelled_weight": 1.0}},
+                                 "client": {"statistics": {"fedirm.reliable_fraction": 0.0}}},
+           "fedirm-paper": {"server": {"weighting": {"fedirm.unlabelled_weight": 1.0}},
+                            "client": {"statistics": {"fedirm.reliable_fraction": 0.0}}},
+           "fedia-covid": {"server": {"weighting": {"fedia.warmup_rounds": 40}},
+                           "client": {"statistics": {"fedia.correction_threshold": 0.8}}},
+           "fedia-paper": {"client": {"statistics": {"fedia.correction_threshold": 0.8}}},
+           "fedia-lesions": {"client": {"statistics": {"fedia.correction_threshold": 0.8}}},
+           "fedmlp-paper": {"server": {"statistics": {"fedmlp.t0": 0.005, "fedmlp.t1": 0.01}}},
+           **{name: {"client": {"statistics": {"fedlsm.confident_fraction": 0.21,
+                                               "fedlsm.uncertain_fraction": 0.053}}}
+              for name in ("fedlsm-multilabel", "fedlsm-multilabel_paper")}}
     assert sorted(refused) == sorted(own), refused
-    for name, weighting in own.items():
-        key, value = next(iter(weighting.items()))
-        assert f"rule_args.{key.split('.')[1]} of rule '{key.split('.')[0]}' = {value}" in refused[name], refused[name]
+    for name, sides in own.items():
+        for side, tables in sides.items():  # each side refuses at its first key
+            key, value = next(iter(next(iter(tables.values())).items()))
+            said = f"rule_args.{key.split('.')[1]} of rule '{key.split('.')[0]}' = {value}"
+            assert any(said in message for message in refused[name]), refused[name]
         job = next(j for j in every_job if j.name == name)
-        check_weighting(check_config(_configs(job)["server"], "server"), {"path": "kit", "weighting": weighting},
-                        "server", job.name, "kit")
+        for side, config in _configs(job).items():
+            check_weighting(check_config(config, side), {"path": "kit", **sides.get(side, {})}, side, job.name, "kit")
 
 
 def test_a_job_brings_no_filter_that_changes_the_weights_a_site_sends(tmp_path):

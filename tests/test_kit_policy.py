@@ -318,18 +318,21 @@ def test_site_lock_text_from_pips_report(tmp_path):
         provision.site_lock_text(report, [], "a test")
 
 
-def test_each_kit_holds_its_floors_limits_and_weighting_and_the_server_waits_for_every_site(prod):
+def test_each_kit_holds_its_floors_limits_weighting_and_statistics_and_the_server_waits_for_every_site(prod):
     """The server's file: every site of the project behind a published aggregate (2 here; with
     different subsets of one round's local models, jobs are equations in them), its submission limits
     and how it weights; a site's: its weighting and limits, no server keys."""
-    from fedpartial.flare.site_config import LIMITS, SERVER_WEIGHTING, SITE_WEIGHTING, SUBMISSION_LIMITS
+    from fedpartial.flare.site_config import (LIMITS, SERVER_STATISTICS, SERVER_WEIGHTING, SITE_STATISTICS,
+                                              SITE_WEIGHTING, SUBMISSION_LIMITS)
 
     server = _json(prod / "localhost" / "local" / "fedpartial_site.json")
     assert server["min_sites_per_round"] == len(SITE_ORGS) and server["weighting"] == SERVER_WEIGHTING
+    assert server["statistics"] == SERVER_STATISTICS and "min_local_steps" not in server
     assert {k: server[k] for k in SUBMISSION_LIMITS} == SUBMISSION_LIMITS
     for site in SITE_ORGS:
         own = _json(prod / site / "local" / "fedpartial_site.json")
-        assert own["weighting"] == SITE_WEIGHTING and own["min_count"] == 5
+        assert own["weighting"] == SITE_WEIGHTING and own["statistics"] == SITE_STATISTICS
+        assert own["min_count"] == 5 and own["min_local_steps"] == 2 and own["min_adam_beta2"] == 0.9
         assert {k: own[k] for k in LIMITS} == LIMITS and not set(SUBMISSION_LIMITS) & set(own)
         assert "min_sites_per_round" not in own
 

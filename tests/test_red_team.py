@@ -28,7 +28,7 @@ SITES = ["site-1", "site-2"]
 DATASET = "demo"
 OVERRIDES = ["num_rounds=1", "server.min_clients=2", f"model.class_names={json.dumps(CLASSES)}",
              "model.input_size=[16,16]", "model.in_channels=3", "model.arch_args.width=8",
-             "rule_args.batch_size=16", "device=cpu"]
+             "rule_args.batch_size=4", "device=cpu"]
 
 
 # a secret in every participant's environment, as a kit's service might hold one
@@ -362,6 +362,21 @@ def test_a_round_on_one_image_sends_nothing(system, tmp_path):
     server_tb = list(Path(result["result_dir"]).rglob("tb_events/*/events.*"))
     for path in server_tb:  # no curve of that round reached the server either
         assert b"train/train_loss" not in path.read_bytes(), path
+
+
+@pytest.mark.slow
+def test_a_local_model_of_one_optimizer_step_is_withheld(system, tmp_path):
+    """One Adam step moves every weight by +-lr: an outside attempt decoded both sites' gradient signs
+    (94,374 and 94,375 of 94,375 parameters) from one 2-site average of 5-image steps. Five images
+    pass the count floor; one step does not pass the site's min_local_steps (2)."""
+    job = _job(tmp_path, "one_step", ["rule_args.local_iterations=1", "rule_args.batch_size=5"])
+    result = _run(system, tmp_path, job)
+    _failed(result)
+    logs = _logs(system, result)
+    assert any("result withheld: WEIGHTS of 1 optimizer step(s), fewer than 2 ('min_local_steps')" in logs[s]
+               for s in SITES), logs
+    rounds = json.loads(Path(result["metrics"]).read_text())["rounds"] if result["metrics"] else []
+    assert not rounds, rounds
 
 
 # ---- values: a job is data each participant checks against the schema and its own limits ----------

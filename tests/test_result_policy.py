@@ -398,3 +398,53 @@ def test_images_drawn_are_counted_once_per_image():
     assert 10 <= DRAWS.stop() <= 20
     DRAWS.record(5, np.arange(5))  # not counting: ignored
     assert DRAWS.stop() == 0
+
+
+def test_a_local_model_of_fewer_optimizer_steps_than_the_sites_floor_is_withheld(monkeypatch):
+    """One Adam step moves every weight by exactly +-lr (its gradient's sign), so a 2-site average
+    of one-step models with known weights decodes to both sites' signs; with a second step the
+    moves are no longer +-lr. The executor counts the steps itself (torch's step hook), the site's
+    policy withholds a result of fewer than its ``min_local_steps``."""
+    from fedpartial.flare import result_policy
+    from fedpartial.flare.common import SITE_OPTIMIZER_STEPS
+    from fedpartial.training.common import STEPS
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in net.parameters()]
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    STEPS.start()
+    for step in range(2):
+        optimizer.zero_grad()
+        net(torch.randn(8, 4)).pow(2).sum().backward()
+        optimizer.step()
+        if step == 0:
+            moves = torch.cat([(p.detach() - b).abs().ravel() for p, b in zip(net.parameters(), before)])
+            assert torch.allclose(moves, torch.full_like(moves, 0.01), atol=1e-6)  # the premise
+    assert STEPS.stop() == 2
+    moves = torch.cat([(p.detach() - b).abs().ravel() for p, b in zip(net.parameters(), before)])
+    assert not torch.allclose(moves, torch.full_like(moves, 0.02), atol=1e-4)  # two steps: not +-2 lr
+    STEPS.start()
+    assert STEPS.stop() == 0  # counted from start() on only
+
+    meta = {MetaKey.NUM_STEPS_CURRENT_ROUND: 9}
+    data, _, report = filter_result(DataKind.WEIGHTS, {"w": np.ones(2)}, meta, K, images_seen=9, optimizer_steps=1,
+                                    min_local_steps=2)
+    assert data is None and report["kind"] == "WEIGHTS of 1 optimizer step(s), fewer than 2 ('min_local_steps')"
+    assert filter_result(DataKind.WEIGHTS, {"w": np.ones(2)}, meta, K, images_seen=9, optimizer_steps=2,
+                         min_local_steps=2)[0] is not None
+    # no step at all sends the model received back (a site without labels this round): nothing of its data
+    assert filter_result(DataKind.WEIGHTS, {"w": np.ones(2)}, meta, K, images_seen=9, optimizer_steps=0,
+                         min_local_steps=2)[0] is not None
+
+    def policy(steps, config):
+        monkeypatch.setattr(result_policy, "participant_config", lambda ctx: config)
+        ctx = _ctx()
+        ctx.set_prop(SITE_OPTIMIZER_STEPS, steps, private=True, sticky=False)
+        return SiteResultPolicy(min_count=K).process(_train_result(124, {"train_steps": steps}), ctx)
+
+    # a provisioned site's floor (default 2) holds; a development site has none
+    assert policy(1, {"path": "x"}).get_return_code() == ReturnCode.EMPTY_RESULT
+    assert policy(2, {"path": "x"}).get_return_code() == ReturnCode.OK
+    assert policy(2, {"path": "x", "min_local_steps": 3}).get_return_code() == ReturnCode.EMPTY_RESULT
+    assert policy(1, None).get_return_code() == ReturnCode.OK

@@ -22,6 +22,8 @@ SITE_TRAIN_SIZE = "site_train_size"
 # evidence of how many images stand behind the weights and metrics; an FLContext property of the
 # task, never a key of the result
 SITE_IMAGES_SEEN = "site_images_seen"
+# optimizer steps of the round's training (fedpartial.training.common.STEPS), the same kind of property
+SITE_OPTIMIZER_STEPS = "site_optimizer_steps"
 
 
 #: files of the package that make up the runtime's identity (the wheel ships exactly these)

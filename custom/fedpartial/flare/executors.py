@@ -22,12 +22,12 @@ from fedpartial.algorithms.base import ClientContext, RoundInput
 from fedpartial.algorithms.registry import build_rule
 from fedpartial.algorithms.thresholds import HISTOGRAM_KEY
 from fedpartial.data.types import SEGMENTATION
-from fedpartial.flare.common import (GLOBAL_STATS, SITE_IMAGES_SEEN, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE,
-                                     build_model_from_settings, model_settings, runtime_description,
-                                     runtime_version_error)
+from fedpartial.flare.common import (GLOBAL_STATS, SITE_IMAGES_SEEN, SITE_METRICS, SITE_OPTIMIZER_STEPS, SITE_STATS,
+                                     SITE_TRAIN_SIZE, build_model_from_settings, model_settings,
+                                     runtime_description, runtime_version_error)
 from fedpartial.flare.site_config import (SITE_CONFIG, check_data_file, check_limits, check_resized, confined,
                                           load_site_config, offered_data_root, site_rules)
-from fedpartial.training.common import (DRAWS, check_memory_format, load_state_numpy, place_model, select_device,
+from fedpartial.training.common import (DRAWS, STEPS, check_memory_format, load_state_numpy, place_model, select_device,
                                         state_dict_numpy)
 
 DATA_ROOT_ENV = "FEDPARTIAL_DATA_ROOT"
@@ -373,10 +373,12 @@ class FedPartialExecutor(Executor):
         for k, v in val_metrics.items():
             self._add_scalar(f"val/{k}", v, round_num, stream=val_images >= self.stream_floor)
         DRAWS.start()
+        STEPS.start()
         try:
             result = self.rule.train_round(self.model, RoundInput(round_num, num_rounds, global_stats))
         finally:
             seen = DRAWS.stop()
+            steps = STEPS.stop()
         if abort_signal.triggered:
             return make_reply(ReturnCode.TASK_ABORTED)
         self.local_weights = state_dict_numpy(self.model)
@@ -396,6 +398,7 @@ class FedPartialExecutor(Executor):
         out.set_meta_prop(SITE_TRAIN_SIZE, len(self.data.splits["train"]))
         # for the site's policy, which runs on this task's FLContext: never on the wire
         fl_ctx.set_prop(SITE_IMAGES_SEEN, int(seen), private=True, sticky=False)
+        fl_ctx.set_prop(SITE_OPTIMIZER_STEPS, int(steps), private=True, sticky=False)
         if histograms is not None:
             out.set_meta_prop(HISTOGRAM_KEY, histograms)
         return out.to_shareable()

@@ -23,7 +23,7 @@ from nvflare.apis.shareable import ReservedHeaderKey, Shareable, make_reply
 
 from fedpartial.algorithms import fedavg, fedia, fedirm, fedlsm, fedmlp, segmentation
 from fedpartial.algorithms.thresholds import HISTOGRAM_KEY, check_histograms
-from fedpartial.flare.common import SITE_IMAGES_SEEN, SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE
+from fedpartial.flare.common import SITE_IMAGES_SEEN, SITE_METRICS, SITE_OPTIMIZER_STEPS, SITE_STATS, SITE_TRAIN_SIZE
 from fedpartial.flare.filters import auto_preset, filter_statistics
 from fedpartial.flare.site_config import floor, participant_config
 
@@ -239,7 +239,8 @@ def _is_count(value) -> bool:
 
 def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
                   noise_sigma: Optional[Dict[str, float]] = None, rng: Optional[np.random.Generator] = None,
-                  where: str = "", images_seen: Optional[int] = None) -> tuple:
+                  where: str = "", images_seen: Optional[int] = None, optimizer_steps: Optional[int] = None,
+                  min_local_steps: int = 0) -> tuple:
     """What of one task result (a DXO's kind, data and meta) may leave the site.
 
     * kind: WEIGHTS / WEIGHT_DIFF (train results, local models) and METRICS (validation) only;
@@ -266,6 +267,11 @@ def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
         images_seen: the distinct images the round's training drew (the executor's count; None =
             unknown): a train result from 1..k-1 images is withheld whole, and training metrics
             count at most these images.
+        optimizer_steps: the optimizer steps the round's training made (the executor's count; None =
+            unknown).
+        min_local_steps: a train result from 1..min_local_steps-1 optimizer steps is withheld whole:
+            one Adam step moves each weight by +-lr, so the weights are the batch's gradient signs,
+            which the average with other sites' does not hide (0 = off).
 
     Returns:
         ``(data, meta, report)`` as new dicts, or ``(None, None, report)`` when the result is withheld
@@ -296,6 +302,11 @@ def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
     claims = meta.get(MetaKey.NUM_STEPS_CURRENT_ROUND)
     if seen is not None and k > 0 and seen < k and _is_count(claims) and claims > 0:
         report["kind"] = f"{getattr(kind, 'value', kind)} trained on {seen} image(s), fewer than {k}"
+        return None, None, report
+    if (optimizer_steps is not None and min_local_steps > 0 and _is_count(claims) and claims > 0
+            and 0 < optimizer_steps < min_local_steps):
+        report["kind"] = (f"{getattr(kind, 'value', kind)} of {optimizer_steps} optimizer step(s), fewer than "
+                          f"{min_local_steps} ('min_local_steps')")
         return None, None, report
     samples = meta.get(MetaKey.NUM_STEPS_CURRENT_ROUND)
     if MetaKey.NUM_STEPS_CURRENT_ROUND in meta:
@@ -407,10 +418,13 @@ class SiteResultPolicy(Filter):
         except Exception:
             self.log_warning(fl_ctx, f"{where}: result withheld: it is not a DXO")
             return make_reply(ReturnCode.EMPTY_RESULT)
-        min_count = floor(participant_config(fl_ctx), "min_count", self.min_count)  # the site's floor holds
+        config = participant_config(fl_ctx)
+        min_count = floor(config, "min_count", self.min_count)  # the site's floor holds
         try:
             data, meta, report = filter_result(dxo.data_kind, dxo.data, dxo.meta, min_count, self.noise_sigma,
-                                               self.rng, where=site, images_seen=fl_ctx.get_prop(SITE_IMAGES_SEEN))
+                                               self.rng, where=site, images_seen=fl_ctx.get_prop(SITE_IMAGES_SEEN),
+                                               optimizer_steps=fl_ctx.get_prop(SITE_OPTIMIZER_STEPS),
+                                               min_local_steps=floor(config, "min_local_steps", 0))
         except ValueError as e:  # a malformed statistic: FLARE answers TASK_RESULT_FILTER_ERROR, nothing leaves
             raise ValueError(f"task '{task}': {e}") from e
         if data is None:

@@ -29,6 +29,7 @@ limits). What a job may set at all is :mod:`fedpartial.flare.job_schema`; what m
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Dict, Optional
 
@@ -111,7 +112,15 @@ FLOORS = {
     # the server: the fewest sites behind a summed statistic sent back to the sites (with two, each
     # site subtracts its own from the sum and reads the other's)
     "min_sites_for_shared_stats": 3,
+    # the fewest optimizer steps behind a local model a site sends: one Adam step moves every weight
+    # by +-lr, so a one-step model is its batch's gradient signs, exact even inside a 2-site average
+    "min_local_steps": 2,
 }
+#: Floors that are fractions. Adam with beta2 0 divides each step by that step's gradient size,
+#: so with beta1 0 too every step is again +-lr, whatever the number of steps.
+FRACTION_FLOORS = {"min_adam_beta2": 0.9}
+#: the floors a site's own file holds (the others are the server's)
+SITE_FLOORS = ("min_count", "min_local_steps", "min_adam_beta2")
 #: Resource limits of a participant (keys of its file), checked on the job's config before anything
 #: is built; defaults for a hospital's server (16-64 GB of memory, one GPU or none).
 LIMITS = {
@@ -164,6 +173,36 @@ SITE_WEIGHTING = {
     "fedavg.weight_by": "labelled_rows",
     "fedia.completeness_floor": 1e-3, "fedia.completeness_cap": 1.0, "fedia.min_predicted_ratio": 0.5,
 }
+#: Which images enter what a site sends is the participant's too: the thresholds and sample sizes
+#: that select the images behind a statistic or a count a site sends, on a model the submitter can
+#: reproduce (a seeded job trains the same local model twice). Two jobs differing only there
+#: count single images: FedMLP's learning degree at 'high' 0.4021 and 0.4022 published 3 and 1
+#: images of a site's, an outside attempt's per-image score oracle. Keys as in the weighting
+#: tables; the defaults are how the shipped jobs run.
+SITE_STATISTICS = {
+    # FedMLP: the learning degree's band, the positive-tag check's size, whose thresholds a site tags by
+    "fedmlp.low": 0.3, "fedmlp.high": 0.7, "fedmlp.tag_check_samples": 10, "fedmlp.use_adaptive_threshold": True,
+    # FedLSM: the pseudo-label thresholds and the confident / uncertain split behind its counts
+    "fedlsm.tau": 0.95, "fedlsm.tau_l": 0.85, "fedlsm.tau_p": 0.85, "fedlsm.tau_n": 0.005, "fedlsm.tau_lp": 0.7,
+    "fedlsm.tau_ln": 0.01, "fedlsm.confident_fraction": 0.143, "fedlsm.uncertain_fraction": 0.036,
+    # FedIRM: the relation matrices' temperature and the reliable-sample filter
+    "fedirm.temperature": 2.0, "fedirm.entropy_threshold": math.log(2), "fedirm.multilabel_entropy_threshold": 0.5,
+    "fedirm.min_confidence": 0.0, "fedirm.reliable_fraction": 0.5,
+    # FedIA: the mask threshold behind IoU and completeness, the correction threshold behind its pixel counts
+    "fedia.prob_threshold": 0.5, "fedia.correction_threshold": 0.95,
+}
+#: ... and at the server, the tagging thresholds it sends FedMLP's sites
+SERVER_STATISTICS = {"fedmlp.t0": 0.05, "fedmlp.t1": 0.1}
+#: the participant's tables of how a job runs: key of its file -> (server's, site's, why, in the refusal)
+PARTICIPANT_TABLES = {
+    "weighting": (SERVER_WEIGHTING, SITE_WEIGHTING,
+                  "how the sites' updates are weighted is this participant's to decide",
+                  "two jobs weighting the same local models differently let their submitter solve for each "
+                  "site's model"),
+    "statistics": (SERVER_STATISTICS, SITE_STATISTICS,
+                   "which images enter what a site sends is this participant's to decide",
+                   "two jobs selecting differently from the same model let their submitter count single images"),
+}
 MIN_COUNT = FLOORS["min_count"]
 MAX_INPUT_SIZE = LIMITS["max_input_size"]
 #: the rule_args each limit covers (tests/test_job_schema.py keeps them in step with the schema)
@@ -186,6 +225,11 @@ def site_rules(config: Optional[dict]) -> dict:
         ValueError: a floor or limit that is not a non-negative integer, naming the file and key.
     """
     out = {**FLOORS, **LIMITS, **SUBMISSION_LIMITS}
+    for key, value in FRACTION_FLOORS.items():
+        value = (config or {}).get(key, value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ValueError(f"site configuration '{(config or {}).get('path', '?')}': {key} must be a number in "
+                             f"[0, 1), got {value!r}")
     for key in out:
         value = (config or {}).get(key, out[key])
         lowest = 0 if key in ("min_count", "min_sites_for_shared_stats", "max_loader_workers") else 1
@@ -193,24 +237,27 @@ def site_rules(config: Optional[dict]) -> dict:
             raise ValueError(f"site configuration '{(config or {}).get('path', '?')}': {key} must be an integer "
                              f">= {lowest}, got {value!r}")
         out[key] = value
+    out.update({key: float((config or {}).get(key, value)) for key, value in FRACTION_FLOORS.items()})
     return out
 
 
-def weighting(config: Optional[dict], side: str) -> dict:
-    """The participant's :data:`SERVER_WEIGHTING` (``side`` ``server``) or :data:`SITE_WEIGHTING`
-    with its file's ``weighting`` values.
+def weighting(config: Optional[dict], side: str, table: str = "weighting") -> dict:
+    """The participant's table ``table`` of :data:`PARTICIPANT_TABLES` (``weighting``: its
+    :data:`SERVER_WEIGHTING` (``side`` ``server``) or :data:`SITE_WEIGHTING`; ``statistics``:
+    :data:`SERVER_STATISTICS` or :data:`SITE_STATISTICS`) with its file's values.
 
     Raises:
         ValueError: a key that is none of them, naming the file and key.
     """
-    out = dict(SERVER_WEIGHTING if side == "server" else SITE_WEIGHTING)
-    own = (config or {}).get("weighting", {})
+    server, site, _, _ = PARTICIPANT_TABLES[table]
+    out = dict(server if side == "server" else site)
+    own = (config or {}).get(table, {})
     path = (config or {}).get("path", "?")
     if not isinstance(own, dict):
-        raise ValueError(f"site configuration '{path}': 'weighting' must map settings to values, got {own!r}")
+        raise ValueError(f"site configuration '{path}': '{table}' must map settings to values, got {own!r}")
     unknown = sorted(set(own) - set(out))
     if unknown:
-        raise ValueError(f"site configuration '{path}': 'weighting' holds {unknown}; a {side} decides {sorted(out)}")
+        raise ValueError(f"site configuration '{path}': '{table}' holds {unknown}; a {side} decides {sorted(out)}")
     out.update(own)
     return out
 
@@ -227,9 +274,9 @@ def _default(side: str, rule: str, arg: str):
 
 
 def check_weighting(checked, config: Optional[dict], side: str, where: str, source: str) -> None:
-    """A provisioned participant runs a job only with its own weighting (:data:`SERVER_WEIGHTING`,
-    :data:`SITE_WEIGHTING`): a value the job sets, or the constructor's default it leaves, must be
-    the participant's.
+    """A provisioned participant runs a job only with its own weighting and its own selection of
+    the images behind what a site sends (:data:`PARTICIPANT_TABLES`): a value the job sets, or the
+    constructor's default it leaves, must be the participant's.
 
     Args:
         checked: the job's config as :func:`fedpartial.flare.job_schema.check_config` returns it.
@@ -244,26 +291,25 @@ def check_weighting(checked, config: Optional[dict], side: str, where: str, sour
     """
     if config is None:
         return
-    own = weighting(config, side)
-    for _, path, args in checked.components:
-        name = path.rpartition(".")[2]
-        if name not in ("RuleAggregator", "FedPartialExecutor"):
-            continue
-        rule = args.get("rule", "fedavg")
-        rule_args = args.get("rule_args") or {}
-        for key, wanted in own.items():
-            owner, _, arg = key.rpartition(".")
-            # a rule's argument of the rule this component runs; the aggregator's own of the aggregator
-            if (owner and owner != rule) or (not owner and name != "RuleAggregator"):
+    for table, (_, _, whose, why) in PARTICIPANT_TABLES.items():
+        own = weighting(config, side, table)
+        for _, path, args in checked.components:
+            name = path.rpartition(".")[2]
+            if name not in ("RuleAggregator", "FedPartialExecutor"):
                 continue
-            values = rule_args if owner else args
-            value = values[arg] if arg in values else _default(side, owner, arg)
-            if value != wanted:
-                field = f"rule_args.{arg} of rule '{rule}'" if owner else arg
-                raise ValueError(f"{where} refuses the job: {name} {field} = {value!r}; how the sites' updates are "
-                                 f"weighted is this participant's to decide ({wanted!r}, '{key}' of 'weighting' in "
-                                 f"{source}): two jobs weighting the same local models differently let their "
-                                 f"submitter solve for each site's model")
+            rule = args.get("rule", "fedavg")
+            rule_args = args.get("rule_args") or {}
+            for key, wanted in own.items():
+                owner, _, arg = key.rpartition(".")
+                # a rule's argument of the rule this component runs; the aggregator's own of the aggregator
+                if (owner and owner != rule) or (not owner and name != "RuleAggregator"):
+                    continue
+                values = rule_args if owner else args
+                value = values[arg] if arg in values else _default(side, owner, arg)
+                if value != wanted:
+                    field = f"rule_args.{arg} of rule '{rule}'" if owner else arg
+                    raise ValueError(f"{where} refuses the job: {name} {field} = {value!r}; {whose} ({wanted!r}, "
+                                     f"'{key}' of '{table}' in {source}): {why}")
 
 
 #: Filters that change the weights a site sends by the job's arguments, per site (FLARE's
@@ -490,6 +536,13 @@ def check_limits(checked, rules: dict, where: str, source: str) -> None:
                     value = values.get(arg)
                     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > rules[limit]:
                         refuse(f"{name} {prefix}.{arg}", value, limit)
+            betas = values.get("betas")
+            if isinstance(betas, (list, tuple)) and len(betas) == 2 and isinstance(betas[1], (int, float)) \
+                    and betas[1] < rules["min_adam_beta2"]:
+                raise ValueError(f"{where} refuses the job: {name} {prefix}.betas = {list(betas)}: Adam's beta2 "
+                                 f"below this participant's floor of {rules['min_adam_beta2']} ('min_adam_beta2' in "
+                                 f"{source}) makes each step the sign of its gradient, which a 2-site average "
+                                 f"does not hide")
         # last: the arguments' own limits name the argument a job overdid
         if name == "FedPartialExecutor" and isinstance(args.get("model"), dict):
             train, predict = _activations(args["model"], rule_args, where)

@@ -259,6 +259,41 @@ class DrawCounter:
 DRAWS = DrawCounter()
 
 
+class StepCounter:
+    """How many optimizer steps a round's training made, counted by torch's global step hook
+    rather than by what a rule reports. One Adam step moves every parameter by +-lr (the sign of
+    its gradient), so the weights of a one-step round hold the batch's gradient signs, which two
+    sites' weighted average does not hide; a site's policy withholds such a result."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._steps: Optional[int] = None
+        self._handle = None
+
+    def _count(self, optimizer, args, kwargs) -> None:
+        with self._lock:
+            if self._steps is not None:
+                self._steps += 1
+
+    def start(self) -> None:
+        with self._lock:
+            self._steps = 0
+            if self._handle is None:
+                from torch.optim.optimizer import register_optimizer_step_post_hook
+
+                self._handle = register_optimizer_step_post_hook(self._count)
+
+    def stop(self) -> int:
+        """The steps since :meth:`start`; counting stops."""
+        with self._lock:
+            steps, self._steps = self._steps or 0, None
+        return steps
+
+
+#: the process's step counter (one training at a time per site process)
+STEPS = StepCounter()
+
+
 def batch_indices(n: int, batch_size: int, rng: np.random.Generator, shuffle: bool = True,
                   drop_last: bool = False) -> Iterator[np.ndarray]:
     """Yield index arrays covering ``range(n)`` once (one epoch).

@@ -260,20 +260,23 @@ class SitePolicyBuilder(Builder):
 
     def site_config(self, participant, site: bool, num_sites: int = 0) -> dict:
         """The ``fedpartial_site.json`` of a site (its datasets) or of the server (none), with the
-        participant's floors, limits and weighting at their defaults (the server's floors and
-        submission limits on sites)."""
-        from fedpartial.flare.site_config import (FLOORS, FORMAT_VERSION, LIMITS, SERVER_WEIGHTING, SITE_WEIGHTING,
-                                                  SUBMISSION_LIMITS)
+        participant's floors, limits, weighting and statistics at their defaults (the server's floors
+        and submission limits on sites)."""
+        from fedpartial.flare.site_config import (FLOORS, FORMAT_VERSION, FRACTION_FLOORS, LIMITS, PARTICIPANT_TABLES,
+                                                  SITE_FLOORS, SUBMISSION_LIMITS)
 
         datasets = {}
         if site:
             own = participant.get_prop("datasets")
             datasets = self.datasets if own is None else self._datasets(own, f"'datasets' of {participant.name}")
-        floors = {k: v for k, v in FLOORS.items() if site == (k == "min_count")}
+        floors = {k: v for k, v in {**FLOORS, **FRACTION_FLOORS}.items() if site == (k in SITE_FLOORS)}
         if not site:
             floors["min_sites_per_round"] = max(FLOORS["min_sites_per_round"], num_sites) \
                 if self.min_sites_per_round == "all" else self.min_sites_per_round
-        own = {"weighting": dict(SITE_WEIGHTING)} if site else {**SUBMISSION_LIMITS, "weighting": dict(SERVER_WEIGHTING)}
+        own = {table: dict(site_table if site else server_table)
+               for table, (server_table, site_table, _, _) in PARTICIPANT_TABLES.items()}
+        if not site:
+            own.update(SUBMISSION_LIMITS)
         return {"format_version": FORMAT_VERSION, "datasets": datasets, **floors, **LIMITS, **own}
 
     def allow_list(self, site: bool) -> list:
