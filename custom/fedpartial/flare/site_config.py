@@ -225,11 +225,6 @@ def site_rules(config: Optional[dict]) -> dict:
         ValueError: a floor or limit that is not a non-negative integer, naming the file and key.
     """
     out = {**FLOORS, **LIMITS, **SUBMISSION_LIMITS}
-    for key, value in FRACTION_FLOORS.items():
-        value = (config or {}).get(key, value)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-            raise ValueError(f"site configuration '{(config or {}).get('path', '?')}': {key} must be a number in "
-                             f"[0, 1), got {value!r}")
     for key in out:
         value = (config or {}).get(key, out[key])
         lowest = 0 if key in ("min_count", "min_sites_for_shared_stats", "max_loader_workers") else 1
@@ -237,7 +232,12 @@ def site_rules(config: Optional[dict]) -> dict:
             raise ValueError(f"site configuration '{(config or {}).get('path', '?')}': {key} must be an integer "
                              f">= {lowest}, got {value!r}")
         out[key] = value
-    out.update({key: float((config or {}).get(key, value)) for key, value in FRACTION_FLOORS.items()})
+    for key, value in FRACTION_FLOORS.items():
+        value = (config or {}).get(key, value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise ValueError(f"site configuration '{(config or {}).get('path', '?')}': {key} must be a number in "
+                             f"[0, 1), got {value!r}")
+        out[key] = float(value)
     return out
 
 
