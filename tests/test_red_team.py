@@ -29,6 +29,8 @@ DATASET = "demo"
 OVERRIDES = ["num_rounds=1", "server.min_clients=2", f"model.class_names={json.dumps(CLASSES)}",
              "model.input_size=[16,16]", "model.in_channels=3", "model.arch_args.width=8",
              "rule_args.batch_size=4", "device=cpu"]
+# FedLSM's MixUp pairs come out of the batch: a batch of 4 leaves room for 2
+JOB_OVERRIDES = {"fedlsm": ["rule_args.ude_pairs=2"]}
 
 
 # a secret in every participant's environment, as a kit's service might hold one
@@ -53,7 +55,8 @@ def system(tmp_path_factory):
 
 def _job(tmp_path, name, overrides=(), job="fedavg", **kwargs) -> Path:
     kwargs.setdefault("dataset", DATASET)
-    return Path(package_job(str(REPO / "jobs" / job), str(tmp_path / name), OVERRIDES + list(overrides),
+    return Path(package_job(str(REPO / "jobs" / job), str(tmp_path / name),
+                            OVERRIDES + JOB_OVERRIDES.get(job, []) + list(overrides),
                             with_code=False, name=name, **kwargs))
 
 
