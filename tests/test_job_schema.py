@@ -599,7 +599,7 @@ def test_a_job_leaves_the_weighting_to_each_participant(tmp_path, side, override
     """Two jobs that differ only in the server's weight_rule (mean, median) gave a lead the two sites'
     local models, solved from the two downloaded averages. How updates are weighted is the
     participant's; a development site (no kit file) lets the bench vary it."""
-    from fedpartial.flare.site_config import check_weighting
+    from fedpartial.flare.site_config import check_participant_tables
 
     job_name = "fedirm" if "unlabelled" in overrides[0] else "fedavg"
     server_side = side == "server"
@@ -616,7 +616,7 @@ def test_a_job_leaves_the_weighting_to_each_participant(tmp_path, side, override
     (kit / "local" / "fedpartial_site.json").write_text(json.dumps({"format_version": 1, "datasets": {},
                                                                    "weighting": {key: json.loads(value)}}))
     assert JobGate(side).validate(str(_deploy(kit, job, target))) == ("", {})  # the participant's own choice
-    check_weighting(check_config(_configs(job)[side], side), None, side, "dev", "none")  # development: any
+    check_participant_tables(check_config(_configs(job)[side], side), None, side, "dev", "none")  # development: any
 
 
 @pytest.mark.parametrize("side, assignment, key", [("client", "rule_args.high=0.4022", "fedmlp.high"),
@@ -655,7 +655,7 @@ def test_the_weighting_names_arguments_of_the_schema_and_every_shipped_job_runs_
     """Each weighting key is an argument the schema lets a job write (a renamed argument would leave
     the participant's choice unchecked), and every job a user can make for production (the shipped
     jobs and the recipes' profiles) runs with a kit's defaults."""
-    from fedpartial.flare.site_config import check_weighting
+    from fedpartial.flare.site_config import check_participant_tables
 
     aggregator = COMPONENTS["fedpartial.flare.aggregators.RuleAggregator"].args
     for server_table, site_table, _, _ in PARTICIPANT_TABLES.values():
@@ -668,7 +668,7 @@ def test_the_weighting_names_arguments_of_the_schema_and_every_shipped_job_runs_
     for job in every_job:
         for side, config in _configs(job).items():
             try:
-                check_weighting(check_config(config, side), {"path": "kit"}, side, job.name, "kit")
+                check_participant_tables(check_config(config, side), {"path": "kit"}, side, job.name, "kit")
             except ValueError as e:
                 refused.setdefault(job.name, []).append(str(e))
     # profiles that keep the paper's weighting or thresholds, or a data set's (FedIRM's paper and
@@ -695,7 +695,7 @@ def test_the_weighting_names_arguments_of_the_schema_and_every_shipped_job_runs_
             assert any(said in message for message in refused[name]), refused[name]
         job = next(j for j in every_job if j.name == name)
         for side, config in _configs(job).items():
-            check_weighting(check_config(config, side), {"path": "kit", **sides.get(side, {})}, side, job.name, "kit")
+            check_participant_tables(check_config(config, side), {"path": "kit", **sides.get(side, {})}, side, job.name, "kit")
 
 
 def test_a_job_brings_no_filter_that_changes_the_weights_a_site_sends(tmp_path):

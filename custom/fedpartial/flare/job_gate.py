@@ -16,7 +16,8 @@ as the job ships them, and refuses:
   ``comm_config.json``, ``resources.json`` and others by walking the participant's kit, job folders
   included;
 * at this participant, a job asking more than its limits (:func:`fedpartial.flare.site_config.check_limits`),
-  weighting the sites otherwise than it does (:func:`fedpartial.flare.site_config.check_weighting`), or
+  weighting the sites or selecting their images otherwise than it does
+  (:func:`fedpartial.flare.site_config.check_participant_tables`), or
   bringing a filter that changes the weights a site sends (:func:`fedpartial.flare.site_config.check_job_filters`);
 * at a provisioned server, a round-0 model (``model.pretrained``, ``resume_from``) that is not in
   the server kit's own folders (:func:`fedpartial.flare.site_config.check_server_files`).
@@ -45,7 +46,7 @@ from nvflare.fuel.utils.config_factory import ConfigFactory
 
 from fedpartial.flare.job_schema import CLIENT, CONFIG_FILES, SERVER, check_config
 from fedpartial.flare.site_config import (SUBMISSION_LIMITS, check_job_filters, check_limits, check_server_files,
-                                          check_weighting, load_site_config, site_config_path, site_rules)
+                                          check_participant_tables, load_site_config, site_config_path, site_rules)
 
 GATE_PATH = "fedpartial.flare.job_gate.JobGate"
 SUBMISSION_GATE_PATH = "fedpartial.flare.job_gate.SubmissionGate"
@@ -133,7 +134,7 @@ def check_app(app_folder: str, side: str, workspace_root: str, where: str) -> Di
         except ValueError as e:
             raise ValueError(f"{where} refuses the job: {e}") from None
     check_limits(out[side], rules, where, source)
-    check_weighting(out[side], config, side, where, source)
+    check_participant_tables(out[side], config, side, where, source)
     for s, checked in out.items():
         check_job_filters(checked, config, where, raws[s] if s == CLIENT else None)
     if side == SERVER and config is not None:

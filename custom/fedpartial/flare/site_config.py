@@ -241,10 +241,15 @@ def site_rules(config: Optional[dict]) -> dict:
     return out
 
 
-def weighting(config: Optional[dict], side: str, table: str = "weighting") -> dict:
+def participant_table(config: Optional[dict], side: str, table: str) -> dict:
     """The participant's table ``table`` of :data:`PARTICIPANT_TABLES` (``weighting``: its
     :data:`SERVER_WEIGHTING` (``side`` ``server``) or :data:`SITE_WEIGHTING`; ``statistics``:
     :data:`SERVER_STATISTICS` or :data:`SITE_STATISTICS`) with its file's values.
+
+    Args:
+        config: from :func:`load_site_config` (None: a development site, the defaults).
+        side: ``server`` or ``client``.
+        table: ``weighting`` or ``statistics``.
 
     Raises:
         ValueError: a key that is none of them, naming the file and key.
@@ -273,7 +278,7 @@ def _default(side: str, rule: str, arg: str):
     return inspect.signature(rule_class(side, rule).__init__).parameters[arg].default
 
 
-def check_weighting(checked, config: Optional[dict], side: str, where: str, source: str) -> None:
+def check_participant_tables(checked, config: Optional[dict], side: str, where: str, source: str) -> None:
     """A provisioned participant runs a job only with its own weighting and its own selection of
     the images behind what a site sends (:data:`PARTICIPANT_TABLES`): a value the job sets, or the
     constructor's default it leaves, must be the participant's.
@@ -292,7 +297,7 @@ def check_weighting(checked, config: Optional[dict], side: str, where: str, sour
     if config is None:
         return
     for table, (_, _, whose, why) in PARTICIPANT_TABLES.items():
-        own = weighting(config, side, table)
+        own = participant_table(config, side, table)
         for _, path, args in checked.components:
             name = path.rpartition(".")[2]
             if name not in ("RuleAggregator", "FedPartialExecutor"):

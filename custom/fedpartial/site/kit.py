@@ -339,7 +339,7 @@ def preflight(kit: str, warn_days: float = 30, timeout: float = 5.0) -> List[dic
     from fedpartial.flare.allowed import CLASS_ALLOW_LIST
     from fedpartial.flare.common import runtime_identity
     from fedpartial.flare.job_gate import gate_error
-    from fedpartial.flare.site_config import PARTICIPANT_TABLES, load_site_config, site_rules, weighting
+    from fedpartial.flare.site_config import PARTICIPANT_TABLES, load_site_config, site_rules, participant_table
     from fedpartial.site.certificates import expiry_report
 
     kit = os.path.abspath(kit)
@@ -401,7 +401,7 @@ def preflight(kit: str, warn_days: float = 30, timeout: float = 5.0) -> List[dic
             rules = site_rules(config)
             check("floors and limits", True, ", ".join(f"{k} {v}" for k, v in rules.items()))
             for table in PARTICIPANT_TABLES:
-                own = weighting(config, "client" if kind == "site" else "server", table)
+                own = participant_table(config, "client" if kind == "site" else "server", table)
                 check(table, True, "jobs run with " + ", ".join(f"{k} {v}" for k, v in own.items()))
     except ValueError as e:
         check("site configuration", False, str(e))
