@@ -1,6 +1,7 @@
 """Committed result rows, the timing report and the MS protocol's choice: numbers worked out by hand."""
 import json
 import os
+import time
 import threading
 
 import pytest
@@ -27,7 +28,7 @@ def test_a_row_is_appended_found_and_replaced_by_its_key(tmp_path):
     # the key columns first, provenance last, a new metric column joins the file
     committed.append_row(path, _row(seed=2, auc=0.8, f1=0.1))
     header = open(path).readline().strip().split(",")
-    assert header[:5] == list(committed.KEY_COLUMNS) and header[-4:] == list(committed.PROVENANCE_COLUMNS)
+    assert header[:5] == list(committed.KEY_COLUMNS) and header[-5:] == list(committed.PROVENANCE_COLUMNS)
     assert "f1" in header and committed.as_bench_row(committed.read_committed(path)[-1])["f1"] == pytest.approx(0.1)
 
 
@@ -243,7 +244,10 @@ def test_a_training_chosen_on_val_is_kept_and_scored_on_test_in_a_later_session(
     monkeypatch.setattr(runner, "_evaluate_row", evaluate)
     runner.run_training(t, "test", reuse=True, rows_dir=rows_dir, log=lambda *_: None)
     assert scored == [(b"weights", 42.0, "test")]
-    assert [r["scored_on"] for r in committed.read_committed(os.path.join(rows_dir, "fedlsm-ham.csv"))] == ["test"]
+    before = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 60))
+    (row,) = committed.read_committed(os.path.join(rows_dir, "fedlsm-ham.csv"))
+    # when it was scored, so its order against the commit of the val rows can be read
+    assert row["scored_on"] == "test" and before <= row["scored_at"] <= time.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def test_a_kept_training_is_the_model_and_no_more_and_a_large_one_is_not_kept(tmp_path):

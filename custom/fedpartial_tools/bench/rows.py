@@ -16,7 +16,9 @@ from typing import Dict, List, Optional, Sequence
 
 #: columns every row starts with; the metrics follow, then the rest of the bench row
 KEY_COLUMNS = ("suite", "method", "seed", "scored_on", "settings_hash")
-PROVENANCE_COLUMNS = ("commit", "device", "seconds", "settings")
+#: ``commit`` is the code that scored the row (and trained it, unless the bench reused a kept model),
+#: ``scored_at`` when (UTC): a test row scored after its val rows were committed shows the order
+PROVENANCE_COLUMNS = ("commit", "scored_at", "device", "seconds", "settings")
 
 
 def settings_hash(job_folder: str, sets: Sequence[str], profile: str) -> str:

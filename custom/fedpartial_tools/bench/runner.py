@@ -289,7 +289,9 @@ def run_training(t: Training, score_on: str = "test", reuse: bool = False, rows_
         log(keep_training(t.ws, kept, with_best=any(k.endswith("_best") for k in suite.metrics)))
     if rows_file:
         committed.append_row(rows_file, {**row, "settings_hash": key_hash,
-                                         "commit": committed.current_commit(REPO), "device": committed.device_name(),
+                                         "commit": committed.current_commit(REPO),
+                                         "scored_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                         "device": committed.device_name(),
                                          "settings": json.dumps({"job": t.folder, "sets": list(t.sets),
                                                                  "profile": profile})})
     log(f"{t.suite} seed {t.seed} {t.job}: " + ", ".join(f"{k}={row.get(k, float('nan')):.4f}"
