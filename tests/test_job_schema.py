@@ -429,6 +429,59 @@ def test_a_servers_min_sites_for_shared_stats_holds_whatever_the_job_asks(tmp_pa
     assert "class_counts" in agg._withhold_small_sums(fl_ctx, {"class_counts": np.array([2, 4])}, ctx)
 
 
+def test_a_class_one_site_validates_publishes_its_threshold_but_not_its_counts(tmp_path):
+    """The server's floor (3) decides: class a from two sites and class b from one publish their
+    thresholds, neither its F1 nor its counts; at a development server (the job's 0) both do."""
+    from fedpartial.algorithms.base import ServerContext, SiteUpdate
+    from fedpartial.flare.aggregators import RuleAggregator
+    from helpers import aggregator_fl_ctx
+
+    server = _kit(tmp_path, True)
+    fl_ctx = aggregator_fl_ctx(tmp_path)
+    fl_ctx.get_engine().get_workspace.return_value.get_root_dir.return_value = str(server)
+    agg = RuleAggregator(rule="fedavg", min_sites_for_shared_stats=0, model={
+        "arch": "small_cnn", "arch_args": {"width": 4, "depth": 1}, "in_channels": 1, "class_names": ["a", "b"],
+        "task": "multi-label"})
+    agg.updates = [SiteUpdate(site=s, weights={}, num_samples=10, stats={}, metrics={}) for s in ("site-1", "site-2")]
+    agg.histograms = {"site-1": {"pos": np.array([[0, 1, 0, 4], [1, 2, 1, 0]]), "neg": np.array([[3, 2, 1, 0], [3, 0, 0, 0]])},
+                      "site-2": {"pos": np.array([[0, 0, 1, 2], [0, 0, 0, 0]]), "neg": np.array([[3, 1, 1, 1], [0, 0, 0, 0]])}}
+    ctx = ServerContext(round=1, num_rounds=2, classifier_param_names=[], global_weights={}, global_stats={})
+    agg._decision_thresholds(fl_ctx, ctx)
+    per_class = ctx.report["decision_thresholds"]["per_class"]
+    assert ctx.report["decision_thresholds"]["thresholds"] == {"a": 0.75, "b": 0.25}
+    assert [per_class[c]["n_pos"] for c in "ab"] == [None, None] and per_class["b"]["f1"] is None
+    fl_ctx.get_engine().get_workspace.return_value.get_root_dir.return_value = str(tmp_path / "no_kit")
+    agg._decision_thresholds(fl_ctx, ctx)
+    assert [ctx.report["decision_thresholds"]["per_class"][c]["n_pos"] for c in "ab"] == [8, 4]
+
+
+def test_a_site_stops_a_job_past_its_hours(caplog):
+    """Within every other limit a job can still ask for days a round: past max_job_hours from its
+    first training task the site stops (the rules poll the abort between steps) and answers an error."""
+    import time
+
+    from nvflare.apis.dxo import DXO, DataKind
+    from nvflare.apis.fl_constant import ReturnCode
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.apis.signal import Signal
+
+    from fedpartial.flare.executors import FedPartialExecutor
+
+    ex = FedPartialExecutor(model={"arch": "small_cnn", "in_channels": 1, "class_names": ["a"], "task": "single-label"})
+    ex.ready, ex.site, ex.rules = True, "site-1", {"max_rounds": 10, "max_job_hours": 1}
+    task = DXO(DataKind.WEIGHTS, data={}).to_shareable()
+    ex.first_train_at = time.time() - 2 * 3600
+    assert ex._aborted()  # what a rule's loop sees between steps
+    assert ex.execute("train", task, FLContext(), Signal()).get_return_code() == ReturnCode.EXECUTION_EXCEPTION
+    assert ("site 'site-1' stops the job: it has trained for more than this site's 1 hours ('max_job_hours'"
+            in caplog.text)
+    caplog.clear()
+    ex.first_train_at = time.time() - 1800  # within: it goes on to train (and fails here, unset up)
+    assert not ex._aborted()
+    ex.execute("train", task, FLContext(), Signal())
+    assert "stops the job" not in caplog.text
+
+
 def test_a_site_refuses_rounds_beyond_its_limit(caplog):
     from nvflare.apis.dxo import DXO, DataKind
     from nvflare.apis.fl_constant import ReturnCode

@@ -61,6 +61,20 @@ def test_pooled_thresholds_by_hand():
     assert choose_thresholds(None, ["c0"])["thresholds"] == {"c0": 0.5}
 
 
+def test_a_class_from_fewer_sites_than_the_floor_publishes_its_threshold_only():
+    """With one site's n_pos, the F1 at a known threshold solves to that site's true and false
+    positives (an outside attempt counted single images below a threshold this way)."""
+    pooled = pool_histograms(_two_sites())  # c0 from 2 sites, c1 from site-1 only, c2 from none
+    out = choose_thresholds(pooled, ["c0", "c1", "c2"], min_sites=2)
+    assert out["thresholds"] == {"c0": 0.75, "c1": 0.25, "c2": DEFAULT_THRESHOLD}
+    assert out["per_class"]["c0"]["n_pos"] == 8 and out["per_class"]["c0"]["f1"] == pytest.approx(0.8)
+    assert out["per_class"]["c1"] == {"threshold": 0.25, "f1": None, "n_pos": None, "n_neg": None, "sites": 1,
+                                      "default": False}
+    source = threshold_meta({**out, "model_round": 0, "validated_at": 1, "sites": 2}, 0)["source"]
+    assert "c1: 0.25 from 1 site(s); counts and F1 not published" in source and "6/7" not in source
+    assert choose_thresholds(pooled, ["c0", "c1", "c2"], min_sites=3)["per_class"]["c0"]["n_pos"] is None
+
+
 def test_ties_go_to_the_edge_nearest_one_half_and_no_true_positive_is_default():
     # t=0.25 and t=0.5 both give TP 2 FP 0 FN 0 (F1 1); t=0.75 gives 2/3
     assert best_f1_threshold([0, 0, 1, 1], [1, 0, 0, 0]) == (0.5, 1.0)

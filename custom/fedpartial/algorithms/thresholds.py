@@ -156,19 +156,25 @@ def best_f1_threshold(pos, neg) -> Tuple[Optional[float], float]:
     return float(edges[k]), float(f1[k])
 
 
-def choose_thresholds(pooled: Optional[Mapping[str, np.ndarray]], class_names: Sequence[str]) -> Dict:
+def choose_thresholds(pooled: Optional[Mapping[str, np.ndarray]], class_names: Sequence[str],
+                      min_sites: int = 0) -> Dict:
     """Each class's threshold from the pooled histograms (:func:`best_f1_threshold`).
 
     A class without both positives and negatives in the pooled histograms (no site released its
     rows), or whose best F1 is 0, keeps :data:`DEFAULT_THRESHOLD` and is marked ``default``.
+    A class pooled from fewer than ``min_sites`` sites publishes no F1 and no counts: with one
+    site's n_pos, the F1 at a known threshold solves to that site's true and false positives, so
+    repeated rounds count its images on either side of the threshold.
 
     Args:
         pooled: :func:`pool_histograms`' result (None = no site sent histograms).
         class_names: the job's C class names.
+        min_sites: the server's ``min_sites_for_shared_stats`` (0 = publish every class's).
 
     Returns:
         ``{"thresholds": {class: t}, "per_class": {class: {"threshold", "f1", "n_pos", "n_neg",
-        "sites", "default"}}}`` (``f1`` None for a default).
+        "sites", "default"}}}`` (``f1`` None for a default; ``f1``, ``n_pos``, ``n_neg`` None
+        for a class from fewer than ``min_sites`` sites).
     """
     out = {"thresholds": {}, "per_class": {}}
     for c, name in enumerate(class_names):
@@ -182,12 +188,18 @@ def choose_thresholds(pooled: Optional[Mapping[str, np.ndarray]], class_names: S
         default = t is None
         t = DEFAULT_THRESHOLD if default else t
         out["thresholds"][str(name)] = t
-        out["per_class"][str(name)] = {"threshold": t, "f1": None if default else f1, "n_pos": n_pos,
-                                       "n_neg": n_neg, "sites": sites, "default": default}
+        record = {"threshold": t, "f1": None if default else f1, "n_pos": n_pos, "n_neg": n_neg, "sites": sites,
+                  "default": default}
+        if 0 < sites < min_sites:
+            record.update(f1=None, n_pos=None, n_neg=None)
+        out["per_class"][str(name)] = record
     return out
 
 
 def _class_source(name: str, v: Mapping) -> str:
+    if v["n_pos"] is None:
+        return (f"{name}: {'default ' if v['default'] else ''}{v['threshold']} from {v['sites']} site(s); "
+                f"counts and F1 not published (fewer sites than the server's min_sites_for_shared_stats)")
     if not v["default"]:
         return f"{name}: {v['n_pos']} pos / {v['n_neg']} neg from {v['sites']} site(s), F1 {v['f1']:.3f}"
     if v["n_pos"] and v["n_neg"]:

@@ -228,7 +228,7 @@ class RuleAggregator(Aggregator):
         kept = {u.site for u in self.updates}
         per_site = {s: h for s, h in sorted(self.histograms.items()) if s in kept}
         try:
-            record = choose_thresholds(pool_histograms(per_site), classes)
+            record = choose_thresholds(pool_histograms(per_site), classes, min_sites=self._shared_stats_floor(fl_ctx))
         except ValueError as e:  # sites sent different bin counts: no thresholds this round
             self.log_warning(fl_ctx, f"round {ctx.round}: no decision thresholds: {e}")
             return
@@ -272,12 +272,15 @@ class RuleAggregator(Aggregator):
         self.log_info(fl_ctx, f"round {ctx.round}: aggregated {len(self.updates)} update(s) with {self.rule_path}")
         return DXO(DataKind.WEIGHTS, data=weights, meta={GLOBAL_STATS: global_stats}).to_shareable()
 
+    def _shared_stats_floor(self, fl_ctx: FLContext) -> int:
+        # the server's floor holds whatever the job asks: a job may only raise it
+        return floor(participant_config(fl_ctx), "min_sites_for_shared_stats", self.min_sites_for_shared_stats)
+
     def _withhold_small_sums(self, fl_ctx: FLContext, global_stats: dict, ctx: ServerContext) -> dict:
         """``global_stats`` without the summed statistics fewer than ``min_sites_for_shared_stats``
         sites contributed to (recorded in the round's report, logged once per key)."""
         summed = [k for k in getattr(self.rule, "summed_stats", ()) if k in (global_stats or {})]
-        # the server's floor holds whatever the job asks: a job may only raise it
-        needed = floor(participant_config(fl_ctx), "min_sites_for_shared_stats", self.min_sites_for_shared_stats)
+        needed = self._shared_stats_floor(fl_ctx)
         if needed != self.min_sites_for_shared_stats and "floor" not in self._warned_withheld:
             self._warned_withheld.add("floor")
             self.log_info(fl_ctx, f"aggregator: the job's min_sites_for_shared_stats={self.min_sites_for_shared_stats} "

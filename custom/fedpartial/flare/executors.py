@@ -233,6 +233,8 @@ class FedPartialExecutor(Executor):
         self.local_weights = None
         self.ready = False
         self.setup_error = "set-up did not run"
+        self.first_train_at = None  # time.time() of this job's first training task here
+        self._abort_signal = None
 
     # ---- set-up ---------------------------------------------------------------------------
     def handle_event(self, event_type: str, fl_ctx: FLContext):
@@ -273,7 +275,7 @@ class FedPartialExecutor(Executor):
             check_limits(SimpleNamespace(components=own, variables={}), self.rules, where, site_config["path"])
             cache_dir = os.path.join(workspace.get_root_dir(), "fedpartial_cache", self.dataset, self.site)
         else:
-            self.rules = {**self.rules, "max_rounds": float("inf")}
+            self.rules = {**self.rules, "max_rounds": float("inf"), "max_job_hours": float("inf")}
             data_root = self.data_root or os.environ.get(DATA_ROOT_ENV, "")
             self.log_warning(fl_ctx, f"{where} has no local/{SITE_CONFIG} in its kit: "
                                      f"development site, reading the job's data_root / ${DATA_ROOT_ENV} "
@@ -315,7 +317,14 @@ class FedPartialExecutor(Executor):
         self.ready = True
 
     def _aborted(self) -> bool:
-        return bool(self._abort_signal is not None and self._abort_signal.triggered)
+        return bool(self._abort_signal is not None and self._abort_signal.triggered) or self._budget_spent() > 0
+
+    def _budget_spent(self) -> float:
+        """Hours this job has trained here beyond the site's ``max_job_hours`` (0 within it)."""
+        if self.first_train_at is None:
+            return 0.0
+        hours = (time.time() - self.first_train_at) / 3600
+        return max(0.0, hours - self.rules.get("max_job_hours", float("inf")))
 
     def _add_scalar(self, tag, value, step, stream: bool = True):
         """A scalar for TensorBoard: always in the site's own files; streamed to the server when
@@ -365,6 +374,10 @@ class FedPartialExecutor(Executor):
             self.log_error(fl_ctx, f"site '{self.site}' refuses round {round_num} of {num_rounds}: beyond this site's "
                                    f"limit of {limit} rounds ('max_rounds' in its local/{SITE_CONFIG})")
             return make_reply(ReturnCode.EXECUTION_EXCEPTION)
+        if self.first_train_at is None:
+            self.first_train_at = time.time()
+        if self._out_of_time(fl_ctx):
+            return make_reply(ReturnCode.EXECUTION_EXCEPTION)
         load_state_numpy(self.model, dxo.data)
         global_stats = dxo.get_meta_prop(GLOBAL_STATS) or {}
         started = time.time()
@@ -381,6 +394,8 @@ class FedPartialExecutor(Executor):
             steps = STEPS.stop()
         if abort_signal.triggered:
             return make_reply(ReturnCode.TASK_ABORTED)
+        if self._out_of_time(fl_ctx):  # the rule stopped mid-round: its model is not a round's
+            return make_reply(ReturnCode.EXECUTION_EXCEPTION)
         self.local_weights = state_dict_numpy(self.model)
         metrics = dict(result.metrics)
         metrics["train_seconds"] = time.time() - started
@@ -402,6 +417,14 @@ class FedPartialExecutor(Executor):
         if histograms is not None:
             out.set_meta_prop(HISTOGRAM_KEY, histograms)
         return out.to_shareable()
+
+    def _out_of_time(self, fl_ctx: FLContext) -> bool:
+        if self._budget_spent() <= 0:
+            return False
+        limit = self.rules["max_job_hours"]
+        self.log_error(fl_ctx, f"site '{self.site}' stops the job: it has trained for more than this site's {limit:g} "
+                               f"hours ('max_job_hours' in its local/{SITE_CONFIG})")
+        return True
 
     def _validate_task(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
         dxo = from_shareable(shareable)

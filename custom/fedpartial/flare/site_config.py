@@ -141,6 +141,9 @@ LIMITS = {
     # GiB of the site's images at the job's input size, as float32: held in memory for a .npz, on
     # disk (fedpartial_cache) for a site folder; 250 images of 28 px asked at 1024 px are 3 GiB
     "max_resized_gib": 32,
+    # hours a site gives one job, from its first training task: within the other limits a job can
+    # still ask for days a round on a CPU, and a train_timeout of 0 never ends it
+    "max_job_hours": 72,
 }
 #: What a server's kit takes of a submitted job before FLARE reads any of it (keys of its file):
 #: FLARE unpacks and parses an upload in the server's own process, so a small DEFLATE upload of
