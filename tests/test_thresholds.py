@@ -71,7 +71,9 @@ def test_a_class_from_fewer_sites_than_the_floor_publishes_its_threshold_only():
     assert out["per_class"]["c1"] == {"threshold": 0.25, "f1": None, "n_pos": None, "n_neg": None, "sites": 1,
                                       "default": False}
     source = threshold_meta({**out, "model_round": 0, "validated_at": 1, "sites": 2}, 0)["source"]
-    assert "c1: 0.25 from 1 site(s); counts and F1 not published" in source and "6/7" not in source
+    assert "c1: 0.25 from 1 site(s); c2: default" in source and "6/7" not in source
+    assert source.endswith("its counts and F1 are not published (fewer sites than the server's "
+                           "min_sites_for_shared_stats)")
     assert choose_thresholds(pooled, ["c0", "c1", "c2"], min_sites=3)["per_class"]["c0"]["n_pos"] is None
 
 

@@ -198,8 +198,7 @@ def choose_thresholds(pooled: Optional[Mapping[str, np.ndarray]], class_names: S
 
 def _class_source(name: str, v: Mapping) -> str:
     if v["n_pos"] is None:
-        return (f"{name}: {'default ' if v['default'] else ''}{v['threshold']} from {v['sites']} site(s); "
-                f"counts and F1 not published (fewer sites than the server's min_sites_for_shared_stats)")
+        return f"{name}: {'default ' if v['default'] else ''}{v['threshold']} from {v['sites']} site(s)"
     if not v["default"]:
         return f"{name}: {v['n_pos']} pos / {v['n_neg']} neg from {v['sites']} site(s), F1 {v['f1']:.3f}"
     if v["n_pos"] and v["n_neg"]:
@@ -229,6 +228,9 @@ def threshold_meta(record: Mapping, file_round: Optional[int]) -> Dict:
     """
     model_round = int(record["model_round"])
     counts = "; ".join(_class_source(name, v) for name, v in record["per_class"].items())
+    if any(v["n_pos"] is None for v in record["per_class"].values()):
+        counts += ("; where a class names its sites only, its counts and F1 are not published (fewer sites than "
+                   "the server's min_sites_for_shared_stats)")
     validated = f"{_model_name(model_round)}, validated on the sites' val splits at round {int(record['validated_at'])}"
     if file_round is not None and int(file_round) == model_round:
         whose = f"this file's model: {validated}"
