@@ -405,17 +405,28 @@ def test_a_sites_min_count_holds_whatever_the_jobs_filter_asks(tmp_path):
         assert list(out.get_meta_prop(SITE_STATS)["class_counts"]) == expected
 
 
-def test_a_servers_min_sites_for_shared_stats_holds_whatever_the_job_asks(tmp_path):
-    from fedpartial.algorithms.base import SiteUpdate
+def _aggregator_at_a_server(tmp_path, rule, task):
+    """A RuleAggregator of a job asking min_sites_for_shared_stats=0, run in a provisioned server's
+    kit (floor 3); ``_in_kit(fl_ctx, folder)`` moves it."""
     from fedpartial.flare.aggregators import RuleAggregator
     from helpers import aggregator_fl_ctx
 
-    server = _kit(tmp_path, True)
     fl_ctx = aggregator_fl_ctx(tmp_path)
-    fl_ctx.get_engine().get_workspace.return_value.get_root_dir.return_value = str(server)
-    agg = RuleAggregator(rule="fedlsm", min_sites_for_shared_stats=0, model={
+    _in_kit(fl_ctx, _kit(tmp_path, True))
+    agg = RuleAggregator(rule=rule, min_sites_for_shared_stats=0, model={
         "arch": "small_cnn", "arch_args": {"width": 4, "depth": 1}, "in_channels": 1, "class_names": ["a", "b"],
-        "task": "single-label"})
+        "task": task})
+    return agg, fl_ctx
+
+
+def _in_kit(fl_ctx, folder):
+    fl_ctx.get_engine().get_workspace.return_value.get_root_dir.return_value = str(folder)
+
+
+def test_a_servers_min_sites_for_shared_stats_holds_whatever_the_job_asks(tmp_path):
+    from fedpartial.algorithms.base import SiteUpdate
+
+    agg, fl_ctx = _aggregator_at_a_server(tmp_path, "fedlsm", "single-label")
     agg.rule.summed_stats = ("class_counts",)
     agg.updates = [SiteUpdate(site=s, weights={}, num_samples=10, stats={"class_counts": [1, 2]}, metrics={})
                    for s in ("site-1", "site-2")]
@@ -425,7 +436,7 @@ def test_a_servers_min_sites_for_shared_stats_holds_whatever_the_job_asks(tmp_pa
     out = agg._withhold_small_sums(fl_ctx, {"class_counts": np.array([2, 4]), "pos_weight": 1.0}, ctx)
     assert "class_counts" not in out and "pos_weight" in out  # the server's floor (3) applies
     assert ctx.report["withheld_from_sites"] == ["class_counts"]
-    fl_ctx.get_engine().get_workspace.return_value.get_root_dir.return_value = str(tmp_path / "no_kit")
+    _in_kit(fl_ctx, tmp_path / "no_kit")
     assert "class_counts" in agg._withhold_small_sums(fl_ctx, {"class_counts": np.array([2, 4])}, ctx)
 
 
@@ -433,24 +444,20 @@ def test_a_class_one_site_validates_publishes_its_threshold_but_not_its_counts(t
     """The server's floor (3) decides: class a from two sites and class b from one publish their
     thresholds, neither its F1 nor its counts; at a development server (the job's 0) both do."""
     from fedpartial.algorithms.base import ServerContext, SiteUpdate
-    from fedpartial.flare.aggregators import RuleAggregator
-    from helpers import aggregator_fl_ctx
 
-    server = _kit(tmp_path, True)
-    fl_ctx = aggregator_fl_ctx(tmp_path)
-    fl_ctx.get_engine().get_workspace.return_value.get_root_dir.return_value = str(server)
-    agg = RuleAggregator(rule="fedavg", min_sites_for_shared_stats=0, model={
-        "arch": "small_cnn", "arch_args": {"width": 4, "depth": 1}, "in_channels": 1, "class_names": ["a", "b"],
-        "task": "multi-label"})
+    agg, fl_ctx = _aggregator_at_a_server(tmp_path, "fedavg", "multi-label")
     agg.updates = [SiteUpdate(site=s, weights={}, num_samples=10, stats={}, metrics={}) for s in ("site-1", "site-2")]
-    agg.histograms = {"site-1": {"pos": np.array([[0, 1, 0, 4], [1, 2, 1, 0]]), "neg": np.array([[3, 2, 1, 0], [3, 0, 0, 0]])},
-                      "site-2": {"pos": np.array([[0, 0, 1, 2], [0, 0, 0, 0]]), "neg": np.array([[3, 1, 1, 1], [0, 0, 0, 0]])}}
+    # test_thresholds.py's two sites: a at both, b at site-1 only
+    agg.histograms = {"site-1": {"pos": np.array([[0, 1, 0, 4], [1, 2, 1, 0]]),
+                                 "neg": np.array([[3, 2, 1, 0], [3, 0, 0, 0]])},
+                      "site-2": {"pos": np.array([[0, 0, 1, 2], [0, 0, 0, 0]]),
+                                 "neg": np.array([[3, 1, 1, 1], [0, 0, 0, 0]])}}
     ctx = ServerContext(round=1, num_rounds=2, classifier_param_names=[], global_weights={}, global_stats={})
     agg._decision_thresholds(fl_ctx, ctx)
     per_class = ctx.report["decision_thresholds"]["per_class"]
     assert ctx.report["decision_thresholds"]["thresholds"] == {"a": 0.75, "b": 0.25}
     assert [per_class[c]["n_pos"] for c in "ab"] == [None, None] and per_class["b"]["f1"] is None
-    fl_ctx.get_engine().get_workspace.return_value.get_root_dir.return_value = str(tmp_path / "no_kit")
+    _in_kit(fl_ctx, tmp_path / "no_kit")
     agg._decision_thresholds(fl_ctx, ctx)
     assert [ctx.report["decision_thresholds"]["per_class"][c]["n_pos"] for c in "ab"] == [8, 4]
 
@@ -512,7 +519,8 @@ def test_floors_and_limits_have_documented_defaults_and_a_site_may_change_them()
     with pytest.raises(ValueError, match=r"min_adam_beta2 must be a number in \[0, 1\), got 1"):
         site_rules({"path": "x", "min_adam_beta2": 1})
     deployment = (REPO / "docs" / "DEPLOYMENT.md").read_text()
-    tables = {key: value for server, site, _, _ in PARTICIPANT_TABLES.values() for key, value in {**server, **site}.items()}
+    tables = {key: value for server, site, _, _ in PARTICIPANT_TABLES.values()
+              for key, value in {**server, **site}.items()}
     for key, value in {**FLOORS, **FRACTION_FLOORS, **LIMITS, **SUBMISSION_LIMITS, **tables}.items():
         shown = f"{value:,}" if isinstance(value, (int, float)) and not isinstance(value, bool) else \
             json.dumps(value).strip('"')
@@ -748,7 +756,8 @@ def test_the_weighting_names_arguments_of_the_schema_and_every_shipped_job_runs_
             assert any(said in message for message in refused[name]), refused[name]
         job = next(j for j in every_job if j.name == name)
         for side, config in _configs(job).items():
-            check_participant_tables(check_config(config, side), {"path": "kit", **sides.get(side, {})}, side, job.name, "kit")
+            check_participant_tables(check_config(config, side), {"path": "kit", **sides.get(side, {})}, side,
+                                     job.name, "kit")
 
 
 def test_a_job_brings_no_filter_that_changes_the_weights_a_site_sends(tmp_path):

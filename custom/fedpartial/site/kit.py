@@ -339,7 +339,7 @@ def preflight(kit: str, warn_days: float = 30, timeout: float = 5.0) -> List[dic
     from fedpartial.flare.allowed import CLASS_ALLOW_LIST
     from fedpartial.flare.common import runtime_identity
     from fedpartial.flare.job_gate import gate_error
-    from fedpartial.flare.site_config import PARTICIPANT_TABLES, load_site_config, site_rules, participant_table
+    from fedpartial.flare.site_config import PARTICIPANT_TABLES, load_site_config, participant_table, site_rules
     from fedpartial.site.certificates import expiry_report
 
     kit = os.path.abspath(kit)
