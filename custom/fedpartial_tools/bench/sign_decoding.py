@@ -1,0 +1,197 @@
+"""What one published 2-site aggregate tells a job's lead about each site's update.
+
+A lead who sets a tiny ``lr`` on large batches makes every site's round-0 update about
+``+-k x lr`` per weight (the gradient's sign barely changes between such steps). With the
+sites' weights w1 != w2 known (``metrics.json``), ``(theta0 - global) / lr = w1 a + w2 b`` takes
+four levels per weight, and the two sites' signs decode from one aggregate. This measures that
+on real site files, for the server's aggregation rule and for noise a site would add:
+
+* ``mean``: the method's average, weighted by the sites' train sizes (FedAvg's default);
+* ``median``: the server's ``weight_rule: median`` (with two sites their unweighted mean): the
+  aggregate is the same whichever site sent which update, so no sign can be given to one site;
+  the lead's best guess of each site's signs is the aggregate's own (the *consensus* column,
+  right where both sites agree and where the site's change is the larger);
+* ``rho``: each site adds Gaussian noise of std ``rho`` x its tensor's update RMS, afresh each
+  round; ``rounds``: the lead averages that many rounds (at a tiny lr the model hardly moves, so
+  each round repeats the same update and the noise averages away).
+
+``python -m fedpartial_tools.bench.sign_decoding --data ../shared/data/ham10000_28.npz --out runs/signs``
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+_CLUSTER_ITERATIONS = 50
+
+
+def decode_two_sites(scaled: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The lead's decoder: both sites' signs from ``v = w_heavy a + w_light b`` (in units of lr).
+
+    The heavier site's sign is ``sign(v)``; the lighter one's is the same where ``|v|`` sits
+    in the upper of two clusters (``w_heavy + w_light``) and the opposite in the lower
+    (``|w_heavy - w_light|``); the clusters are found by two-centre k-means on ``|v|``.
+
+    Args:
+        scaled: the aggregate's change per weight divided by lr, flattened.
+
+    Returns:
+        (heavy site's signs, light site's signs).
+    """
+    magnitude = np.abs(scaled)
+    low, high = np.quantile(magnitude, 0.1), np.quantile(magnitude, 0.9)
+    for _ in range(_CLUSTER_ITERATIONS):
+        near_high = np.abs(magnitude - high) < np.abs(magnitude - low)
+        if near_high.all() or not near_high.any():
+            break
+        high, low = magnitude[near_high].mean(), magnitude[~near_high].mean()
+    signs = np.sign(scaled)
+    same = np.abs(magnitude - high) < np.abs(magnitude - low)
+    return signs, np.where(same, signs, -signs)
+
+
+def decoded_shares(updates: Sequence[np.ndarray], site_weights: Sequence[float], rule: str,
+                   rho: float = 0.0, rounds: int = 1, rng: np.random.Generator = None,
+                   tensor_sizes: Sequence[int] = ()) -> Dict[str, float]:
+    """Share of each site's update signs the lead reads from the (round-averaged) aggregate.
+
+    Args:
+        updates: the two sites' updates (theta0 - local) / lr, flattened over the same weights.
+        site_weights: the sites' published weights (``mean``); ignored by ``median``.
+        rule: ``mean`` or ``median`` (the server's ``weight_rule``).
+        rho: site noise, std as a multiple of each tensor's update RMS (0 = none).
+        rounds: rounds the lead averages (each repeats the update, with fresh noise).
+        rng: noise generator.
+        tensor_sizes: sizes of the tensors ``updates`` concatenates, for the per-tensor RMS
+            (empty: one tensor).
+
+    Returns:
+        ``decoded_<i>`` (the lead's share for site i: the decoder's under ``mean``, the
+        consensus under ``median``), ``consensus_<i>`` (the aggregate's sign taken for site i) and
+        ``agree`` (share of weights where both sites' signs agree).
+    """
+    if len(updates) != 2 or len(site_weights) != 2:
+        raise ValueError(f"decoded_shares measures a 2-site aggregate, got {len(updates)} updates")
+    rng = rng or np.random.default_rng(0)
+    sizes = list(tensor_sizes) or [updates[0].size]
+    noisy = []
+    for update in updates:
+        if rho > 0:
+            pieces = np.split(update, np.cumsum(sizes)[:-1])
+            scale = np.concatenate([np.full(p.size, np.sqrt(np.mean(p ** 2))) for p in pieces])
+            noise = rng.standard_normal((rounds, update.size)).mean(axis=0) * rho * scale
+            update = update + noise
+        noisy.append(update)
+    if rule == "mean":
+        w = np.asarray(site_weights, float) / float(np.sum(site_weights))
+        scaled = w[0] * noisy[0] + w[1] * noisy[1]
+    elif rule == "median":
+        scaled = np.median(np.stack(noisy), axis=0)
+    else:
+        raise ValueError(f"rule '{rule}' unknown; choose 'mean' or 'median'")
+    truth = [np.sign(u) for u in updates]
+    out = {"agree": float(np.mean(truth[0] == truth[1]))}
+    for i in range(2):
+        out[f"consensus_{i}"] = float(np.mean(np.sign(scaled) == truth[i]))
+    if rule == "median":
+        # the aggregate does not change when the sites swap updates, so no weight's sign can be
+        # given to one site: the lead's best guess for each is the aggregate's own sign
+        out.update(decoded_0=out["consensus_0"], decoded_1=out["consensus_1"])
+        return out
+    heavy = int(np.argmax(site_weights))
+    signs_heavy, signs_light = decode_two_sites(scaled)
+    out[f"decoded_{heavy}"] = float(np.mean(signs_heavy == truth[heavy]))
+    out[f"decoded_{1 - heavy}"] = float(np.mean(signs_light == truth[1 - heavy]))
+    return out
+
+
+def site_updates(site_files: Sequence[str], model: dict, rule_args: dict, seed: int = 0
+                 ) -> Tuple[List[np.ndarray], List[int], List[int]]:
+    """Each site's round-0 FedAvg update from the same seeded initial model, in units of lr.
+
+    Args:
+        site_files: the two sites' ``.npz`` files (``python -m fedpartial split``).
+        model: the job's model block.
+        rule_args: the FedAvg client rule's settings (``lr``, ``batch_size``, ``local_iterations``...).
+        seed: the job's seed (the initial model and the batches).
+
+    Returns:
+        (updates, train sizes, tensor sizes): each update (theta0 - local) / lr flattened over the
+        floating-point parameters (no running statistics), the sites' sample counts.
+    """
+    import torch
+
+    from fedpartial.algorithms.base import ClientContext, RoundInput
+    from fedpartial.algorithms.registry import build_rule
+    from fedpartial.flare.common import build_model_from_settings, model_settings
+    from fedpartial.flare.executors import load_site_dataset
+    from fedpartial.training.common import load_state_numpy, state_dict_numpy
+
+    settings = model_settings(model)
+    torch.manual_seed(seed)
+    theta0 = state_dict_numpy(build_model_from_settings(settings))
+    keys = [k for k, t in theta0.items() if np.issubdtype(t.dtype, np.floating) and "running" not in k]
+    updates, sizes = [], []
+    for path in site_files:
+        site = os.path.splitext(os.path.basename(path))[0]
+        data = load_site_dataset(path, site, settings)
+        rule = build_rule("client", "fedavg", dict(rule_args))
+        with tempfile.TemporaryDirectory() as state_dir:
+            rule.setup(ClientContext(site=site, data=data, device=torch.device("cpu"), state_dir=state_dir,
+                                     seed=seed, normalisation=settings["normalisation"]))
+            net = build_model_from_settings(settings)
+            load_state_numpy(net, theta0)
+            result = rule.train_round(net, RoundInput(0, 1, {}))
+        local = state_dict_numpy(net)
+        lr = float(rule_args["lr"])
+        updates.append(np.concatenate([((theta0[k] - local[k]).astype(np.float64) / lr).ravel() for k in keys]))
+        sizes.append(int(result.num_samples))
+    return updates, sizes, [int(theta0[k].size) for k in keys]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fedpartial_tools.bench.sign_decoding",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, help="a classification .npz (split into 2 sites here)")
+    parser.add_argument("--out", required=True, help="folder for the 2 site files")
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--steps", default="2,10", help="comma list of local steps")
+    parser.add_argument("--rho", default="0,0.5,1,2", help="comma list of site noise (x update RMS)")
+    parser.add_argument("--rounds", default="1,10,100", help="comma list of rounds the lead averages")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from fedpartial.data.sitefile import load_site_file
+    from fedpartial_tools.data.partition import split_file
+
+    split_file(args.data, "label-set-mismatch", 2, args.seed, args.out, classes_per_site=4)
+    files = [os.path.join(args.out, f"site-{i}.npz") for i in (1, 2)]
+    first = load_site_file(files[0])
+    images = first.splits["train"].images
+    model = {"arch": "small_cnn", "arch_args": {"width": 8}, "class_names": list(first.class_names),
+             "task": first.task, "in_channels": int(images.shape[-1]) if images.ndim == 4 else 1,
+             "input_size": [int(images.shape[1]), int(images.shape[2])]}
+    rng = np.random.default_rng(args.seed)
+    print("steps | rule | rho | rounds | site weights | decoded site-1 / site-2 | consensus site-1 / site-2 | signs agree")
+    for steps in (int(s) for s in args.steps.split(",")):
+        rule_args = {"lr": args.lr, "batch_size": args.batch_size, "local_iterations": steps, "augmentation": "none"}
+        updates, sizes, tensors = site_updates(files, model, rule_args, args.seed)
+        weights = [s / sum(sizes) for s in sizes]
+        for rule in ("mean", "median"):
+            for rho in (float(r) for r in args.rho.split(",")):
+                for rounds in (int(r) for r in args.rounds.split(",")):
+                    if rho == 0 and rounds > 1:
+                        continue
+                    s = decoded_shares(updates, weights, rule, rho, rounds, rng, tensors)
+                    print(f"{steps} | {rule} | {rho:g} | {rounds} | {weights[0]:.3f} / {weights[1]:.3f} | "
+                          f"{s['decoded_0']:.3f} / {s['decoded_1']:.3f} | {s['consensus_0']:.3f} / "
+                          f"{s['consensus_1']:.3f} | {s['agree']:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

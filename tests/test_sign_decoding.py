@@ -1,0 +1,40 @@
+"""The lead's sign decoder of a 2-site aggregate (fedpartial_tools.bench.sign_decoding), on
+updates worked out by hand: site a = [+1, -1, +1, -1], site b = [+1, +1, -1, -1] (units of lr)."""
+import numpy as np
+import pytest
+
+from fedpartial_tools.bench.sign_decoding import decode_two_sites, decoded_shares
+
+A = np.array([1.0, -1.0, 1.0, -1.0])
+B = np.array([1.0, 1.0, -1.0, -1.0])
+
+
+def test_weighted_mean_gives_both_sites_signs():
+    # 0.2 a + 0.8 b = [1.0, 0.6, -0.6, -1.0]: the heavy site is sign(v); |v| = 1 where the light
+    # site agrees, 0.6 where it does not
+    heavy, light = decode_two_sites(0.2 * A + 0.8 * B)
+    assert heavy.tolist() == B.tolist()
+    assert light.tolist() == A.tolist()
+    shares = decoded_shares([A, B], [0.2, 0.8], "mean")
+    assert shares == {"agree": 0.5, "consensus_0": 0.5, "consensus_1": 1.0, "decoded_0": 1.0, "decoded_1": 1.0}
+
+
+def test_median_of_two_leaves_only_what_both_share():
+    # median([a, b]) = [1, 0, 0, -1]: the lead reads the sign where both agree (half the weights)
+    shares = decoded_shares([A, B], [0.2, 0.8], "median")
+    assert shares["decoded_0"] == shares["decoded_1"] == 0.5
+    swapped = decoded_shares([B, A], [0.2, 0.8], "median")
+    assert swapped["decoded_0"] == shares["decoded_1"] and swapped["decoded_1"] == shares["decoded_0"]
+
+
+def test_fresh_noise_each_round_averages_away():
+    a, b = np.tile(A, 2000), np.tile(B, 2000)
+    one_round = decoded_shares([a, b], [0.2, 0.8], "mean", rho=2.0, rounds=1, rng=np.random.default_rng(0))
+    many = decoded_shares([a, b], [0.2, 0.8], "mean", rho=2.0, rounds=2500, rng=np.random.default_rng(0))
+    assert one_round["decoded_0"] < 0.6  # the light site is near a coin flip in one round
+    assert many["decoded_0"] > 0.99 and many["decoded_1"] == 1.0  # noise std 2 / 50 per weight
+
+
+def test_only_two_sites():
+    with pytest.raises(ValueError, match="2-site"):
+        decoded_shares([A, B, A], [1, 1, 1], "mean")
