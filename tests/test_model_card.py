@@ -84,7 +84,7 @@ def test_card_of_a_hand_made_run(tmp_path):
     for text in ("# Model card: job j1", "`lr` = 0.001 (default 0.0001)", "| site-2 | withheld | 0: 12, 1: 0 |",
                  "| site-3 | - | - |", "c1 withheld", "| 0 | initial | 0.7000 | 0.9000 | - | 0.8000 |",
                  "c0 0.35, c1 0.50, c2 0.60",
-                 "Source: docs/RESULTS.md#earlier-measurements-before-committed-rows", "## Evaluations", "None yet"):
+                 "Source: README.md#results (rows fedlsm-ham, fedlsm-nih)", "## Evaluations", "None yet"):
         assert text in md, text
 
 
@@ -213,7 +213,7 @@ def test_simulator_card_names_sites_rounds_validation_and_evaluate_appends(sim_r
     for text in ("site-1", "site-2", "site-3", "rounds run: 3 of 3", "## Validation per round (auc)",
                  "| 2 | round 1 |", "`global_model.pt` (model of round 2, the result model)", "## Decision thresholds",
                  "measured on HAM10000 and NIH ChestX-ray14",
-                 "Source: docs/RESULTS.md#earlier-measurements-before-committed-rows (rows fedlsm-ham"):
+                 "Source: README.md#results (rows fedlsm-ham"):
         assert text in md, text
     model, meta = load_model_file(run / "global_model.pt")
     result = evaluate_data(model, meta, str(root))

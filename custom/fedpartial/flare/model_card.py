@@ -30,7 +30,7 @@ AGGREGATOR_PATH = "fedpartial.flare.aggregators.RuleAggregator"
 
 #: Intended use and known limits of each registered method. The limits say what kind of limit was
 #: measured and name where (``source``: README's "Results" from the committed rows, and the
-#: docs/RESULTS.md sections of the rows measured before rows were committed);
+#: docs/RESULTS.md sections of what is not yet in committed rows and of the readings);
 #: the numbers stay in those committed rows, never here, so a re-measurement cannot leave the card behind.
 _EARLIER = "docs/RESULTS.md#earlier-measurements-before-committed-rows"
 METHOD_NOTES: Dict[str, Dict[str, str]] = {
@@ -39,14 +39,14 @@ METHOD_NOTES: Dict[str, Dict[str, str]] = {
                         "must beat on the same model, recipe, steps and site weights (--matched-to).",
         "known_limits": "It does not learn a class from the sites that do not annotate it: in the README suites it "
                         "ends below FedAvg on full labels. Measured values: see source.",
-        "source": f"README.md#results; {_EARLIER} (column FedAvg (partial))"},
+        "source": "README.md#results (column FedAvg (partial))"},
     "fedavg_seg": {
         "intended_use": "Segmentation baseline: FedAvg on the (incomplete) masks each site holds; the reference "
                         "for FedIA.",
         "known_limits": "Missed lesions are learnt as background (below FedAvg on complete masks on DSB2018); on "
                         "six real MS patients held out in turn, what decides a held-out patient is the patient, "
                         "not the completeness of the training masks. Measured values: see source.",
-        "source": f"README.md#results (group ms6); {_EARLIER} (rows fedia-dsb-*); "
+        "source": "README.md#results (rows fedia-dsb-*, group ms6); "
                   "docs/SMALL_LESIONS.md#six-patients-two-sources-leave-one-out-bench-suites-ms6"},
     "fedlsm": {
         "intended_use": "Single- or multi-label classification where each site annotates a different subset of "
@@ -54,26 +54,26 @@ METHOD_NOTES: Dict[str, Dict[str, str]] = {
         "known_limits": "Whether it beats FedAvg depends on the data: measured on HAM10000 and NIH ChestX-ray14 "
                         "with different outcomes. Compare it with FedAvg matched to it in recipe, steps and site "
                         "weights (--matched-to) on your data before relying on it. Measured values: see source.",
-        "source": f"{_EARLIER} (rows fedlsm-ham, fedlsm-nih); docs/RESULTS.md#reading-the-results"},
+        "source": "README.md#results (rows fedlsm-ham, fedlsm-nih); docs/RESULTS.md#reading-the-results"},
     "fedmlp": {
         "intended_use": "Multi-label classification where each site lacks the labels of some classes.",
         "known_limits": "Above FedAvg only where its premise holds (frequent positives that other sites train as "
                         "negatives, synthetic shapes); on CT-ICH and ChestX-ray14 not above FedAvg. Measured "
                         "values: see source.",
-        "source": f"{_EARLIER} (rows fedmlp-ctich, fedmlp-nih, fedmlp-premise); "
+        "source": f"README.md#results (rows fedmlp-ctich, fedmlp-nih); {_EARLIER} (rows fedmlp-premise); "
                   "docs/RESULTS.md#fedmlp-where-its-premise-holds-fedmlp-against-the-baselines"},
     "fedirm": {
         "intended_use": "Semi-supervised federations: a few labelled sites, the others unlabelled.",
         "known_limits": "On HAM10000, FedAvg with FedIRM's recipe on the labelled sites reached what FedIRM did: "
                         "the unlabelled sites added nothing measurable. Measured values: see source.",
-        "source": f"{_EARLIER} (rows fedirm-ham, fedirm-ham-1l); "
+        "source": "README.md#results (rows fedirm-ham, fedirm-ham-1l); "
                   "docs/RESULTS.md#fedirm-where-the-labelled-sites-cannot-learn-alone"},
     "fedia": {
         "intended_use": "Segmentation where sites leave whole lesions unannotated (incomplete masks).",
         "known_limits": "On DSB2018 nuclei it helped where much of the annotation is missing and not where masks "
                         "are nearly complete; on six real MS patients held out in turn it was below FedAvg on half "
                         "of them: it can be worse than FedAvg. Measured values: see source.",
-        "source": f"README.md#results (group ms6); {_EARLIER} (rows fedia-dsb-m0 ... m3); "
+        "source": "README.md#results (rows fedia-dsb-m0 ... m3, group ms6); "
                   "docs/SMALL_LESIONS.md#six-patients-two-sources-leave-one-out-bench-suites-ms6"},
 }
 WITHHELD = "withheld"
