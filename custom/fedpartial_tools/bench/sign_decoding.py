@@ -74,6 +74,8 @@ def decoded_shares(updates: Sequence[np.ndarray], site_weights: Sequence[float],
         consensus under ``median``), ``consensus_<i>`` (the aggregate's sign taken for site i) and
         ``agree`` (share of weights where both sites' signs agree).
     """
+    from fedpartial.algorithms.robust import coordinate_median
+
     if len(updates) != 2 or len(site_weights) != 2:
         raise ValueError(f"decoded_shares measures a 2-site aggregate, got {len(updates)} updates")
     rng = rng or np.random.default_rng(0)
@@ -90,7 +92,7 @@ def decoded_shares(updates: Sequence[np.ndarray], site_weights: Sequence[float],
         w = np.asarray(site_weights, float) / float(np.sum(site_weights))
         scaled = w[0] * noisy[0] + w[1] * noisy[1]
     elif rule == "median":
-        scaled = np.median(np.stack(noisy), axis=0)
+        scaled = coordinate_median(noisy)  # the server's own median
     else:
         raise ValueError(f"rule '{rule}' unknown; choose 'mean' or 'median'")
     truth = [np.sign(u) for u in updates]
@@ -135,6 +137,7 @@ def site_updates(site_files: Sequence[str], model: dict, rule_args: dict, seed: 
     torch.manual_seed(seed)
     theta0 = state_dict_numpy(build_model_from_settings(settings))
     keys = [k for k, t in theta0.items() if np.issubdtype(t.dtype, np.floating) and "running" not in k]
+    lr = float(rule_args["lr"])
     updates, sizes = [], []
     for path in site_files:
         site = os.path.splitext(os.path.basename(path))[0]
@@ -147,7 +150,6 @@ def site_updates(site_files: Sequence[str], model: dict, rule_args: dict, seed: 
             load_state_numpy(net, theta0)
             result = rule.train_round(net, RoundInput(0, 1, {}))
         local = state_dict_numpy(net)
-        lr = float(rule_args["lr"])
         updates.append(np.concatenate([((theta0[k] - local[k]).astype(np.float64) / lr).ravel() for k in keys]))
         sizes.append(int(result.num_samples))
     return updates, sizes, [int(theta0[k].size) for k in keys]
