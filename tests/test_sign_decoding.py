@@ -3,7 +3,7 @@ updates worked out by hand: site a = [+1, -1, +1, -1], site b = [+1, +1, -1, -1]
 import numpy as np
 import pytest
 
-from fedpartial_tools.bench.sign_decoding import decode_two_sites, decoded_shares
+from fedpartial_tools.bench.sign_decoding import concentration, decode_two_sites, decoded_shares
 
 A = np.array([1.0, -1.0, 1.0, -1.0])
 B = np.array([1.0, 1.0, -1.0, -1.0])
@@ -38,3 +38,11 @@ def test_fresh_noise_each_round_averages_away():
 def test_only_two_sites():
     with pytest.raises(ValueError, match="2-site"):
         decoded_shares([A, B, A], [1, 1, 1], "mean")
+
+
+def test_concentration_counts_changes_near_the_median():
+    # |changes| 1, 1, 1, 1.2, 0.1: median 1, band [0.75, 1.25] holds four of five
+    assert concentration(np.array([1.0, 1.0, -1.0, 1.2, 0.1])) == pytest.approx(0.8)
+    # a narrower band drops the 1.2
+    assert concentration(np.array([1.0, 1.0, -1.0, 1.2, 0.1]), band=0.1) == pytest.approx(0.6)
+    assert concentration(np.zeros(4)) == 0.0

@@ -54,6 +54,23 @@ def decode_two_sites(scaled: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return signs, np.where(same, signs, -signs)
 
 
+def concentration(update: np.ndarray, band: float = 0.25) -> float:
+    """Share of an update's weights whose change lies within ``band`` x the median change of it.
+
+    Near 1 the update is quantized (every weight moved by about the same amount, the regime in
+    which a weighted 2-site aggregate decodes to both sites' signs); a trained round spreads it.
+
+    Args:
+        update: one site's change per weight, flattened.
+        band: the relative width around the median absolute change.
+    """
+    magnitude = np.abs(np.asarray(update, float))
+    median = float(np.median(magnitude))
+    if median == 0:
+        return 0.0
+    return float(np.mean(np.abs(magnitude - median) <= band * median))
+
+
 def decoded_shares(updates: Sequence[np.ndarray], site_weights: Sequence[float], rule: str,
                    rho: float = 0.0, rounds: int = 1, rng: np.random.Generator = None,
                    tensor_sizes: Sequence[int] = ()) -> Dict[str, float]:
@@ -162,7 +179,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="folder for the 2 site files")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--steps", default="2,10", help="comma list of local steps")
+    parser.add_argument("--steps", default="2,10", help="comma list of local steps (0: one epoch)")
     parser.add_argument("--rho", default="0,0.5,1,2", help="comma list of site noise (x update RMS)")
     parser.add_argument("--rounds", default="1,10,100", help="comma list of rounds the lead averages")
     parser.add_argument("--seed", type=int, default=0)
@@ -179,11 +196,15 @@ def main(argv=None) -> None:
              "task": first.task, "in_channels": int(images.shape[-1]) if images.ndim == 4 else 1,
              "input_size": [int(images.shape[1]), int(images.shape[2])]}
     rng = np.random.default_rng(args.seed)
-    print("steps | rule | rho | rounds | site weights | decoded site-1 / site-2 | consensus site-1 / site-2 | signs agree")
+    print("steps | rule | rho | rounds | site weights | decoded site-1 / site-2 | consensus site-1 / site-2 | signs agree"
+          " | concentration site-1 / site-2")
     for steps in (int(s) for s in args.steps.split(",")):
-        rule_args = {"lr": args.lr, "batch_size": args.batch_size, "local_iterations": steps, "augmentation": "none"}
+        rule_args = {"lr": args.lr, "batch_size": args.batch_size, "augmentation": "none"}
+        if steps > 0:  # 0: the shipped recipe's one epoch over each site's labelled rows
+            rule_args["local_iterations"] = steps
         updates, sizes, tensors = site_updates(files, model, rule_args, args.seed)
         weights = [s / sum(sizes) for s in sizes]
+        held = [concentration(u) for u in updates]
         for rule in ("mean", "median"):
             for rho in (float(r) for r in args.rho.split(",")):
                 for rounds in (int(r) for r in args.rounds.split(",")):
@@ -192,7 +213,7 @@ def main(argv=None) -> None:
                     s = decoded_shares(updates, weights, rule, rho, rounds, rng, tensors)
                     print(f"{steps} | {rule} | {rho:g} | {rounds} | {weights[0]:.3f} / {weights[1]:.3f} | "
                           f"{s['decoded_0']:.3f} / {s['decoded_1']:.3f} | {s['consensus_0']:.3f} / "
-                          f"{s['consensus_1']:.3f} | {s['agree']:.3f}", flush=True)
+                          f"{s['consensus_1']:.3f} | {s['agree']:.3f} | {held[0]:.3f} / {held[1]:.3f}", flush=True)
 
 
 if __name__ == "__main__":
