@@ -13,7 +13,9 @@ on real site files, for the server's aggregation rule and for noise a site would
   right where both sites agree and where the site's change is the larger);
 * ``rho``: each site adds Gaussian noise of std ``rho`` x its tensor's update RMS, afresh each
   round; ``rounds``: the lead averages that many rounds (at a tiny lr the model hardly moves, so
-  each round repeats the same update and the noise averages away).
+  each round repeats the same update and the noise averages away);
+* ``concentration``: the share of a site's weight changes within 25 % of its median change (1:
+  every weight moved alike, the regime the decoder needs).
 
 ``python -m fedpartial_tools.bench.sign_decoding --data ../shared/data/ham10000_28.npz --out runs/signs``
 """
