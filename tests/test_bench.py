@@ -751,9 +751,22 @@ def test_group_table_means_per_fold_and_over_folds():
     assert "| ms6-p2-m3 | 2 | 0.300 | 0.400 | 0.200 | -100% |" in md
     # over folds: fedavg 0.275, full 0.45, fedia 0.30 -> 0.025 / 0.175 = 14 %
     assert "| mean of 2 suites |  | 0.275 | 0.450 | 0.300 | 14% |" in md
-    assert md.endswith("fedia_lesions below fedavg_seg_lesions (means over seeds): ms6-p2-m3")
+    # seed by seed: p7 0.4 > 0.2, 0.4 > 0.3; p2 0.2 < 0.3 twice -> 2 of 4 pairs; no device column -> '?'
+    assert md.endswith("fedia_lesions below fedavg_seg_lesions (means over seeds): ms6-p2-m3; seed by seed in 2 of 4 "
+                       "(fold, seed) pairs; rows from ? (12)")
     assert tables.group_table("ms6-r2", rows, key) == ""
     assert "**ms6**" in tables.markdown_table(rows)
+
+
+def test_group_table_counts_the_seeds_below_inside_a_fold_whose_mean_is_above():
+    # p7: seed 0 fedia 0.30 < fedavg 0.35, seed 1 0.60 > 0.20: the means (0.45 > 0.275) name no fold
+    key = "dice_pooled_native"
+    values = {"fedavg_seg_lesions": (0.35, 0.20), "fedavg_seg_full_lesions": (0.70, 0.70), "fedia_lesions": (0.30, 0.60)}
+    rows = [{"suite": "ms6-p7-m3", "method": job, "seed": s, key: v, "device": d}
+            for job, seeds in values.items() for s, v, d in zip((0, 1), seeds, ("NVIDIA H200", "cpu"))]
+    md = tables.group_table("ms6", rows, key)
+    assert md.endswith("(means over seeds): on no suite; seed by seed in 1 of 2 (fold, seed) pairs; "
+                       "rows from NVIDIA H200 (3), cpu (3)")
 
 
 def test_no_gap_share_where_the_upper_bound_is_not_above_the_lower():
@@ -770,4 +783,4 @@ def test_group_table_of_a_run_without_the_method():
             for job, v in (("fedavg_seg_lesions", 0.2), ("fedavg_seg_full_lesions", 0.5))]
     md = tables.group_table("ms6", rows, key)
     assert "| ms6-p7-m2 | 1 | 0.200 | 0.500 | – |" in md
-    assert md.endswith("fedia_lesions below fedavg_seg_lesions (means over seeds): on no suite")
+    assert md.endswith("fedia_lesions below fedavg_seg_lesions (means over seeds): on no suite; rows from ? (2)")

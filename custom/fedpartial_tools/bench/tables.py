@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+from collections import Counter
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -226,8 +227,21 @@ def group_table(group: str, rows: List[dict], key: str) -> str:
     gap = gap_closed(over[first.method], over[first.lower], over[first.upper])
     lines.append("| " + " | ".join([f"mean of {len(names)} suites", ""] + [_mean_cell(over[j]) for j in jobs]
                                   + [_share(gap)]) + " |")
+    # seed by seed: a fold's mean can hide the seeds where the method is below
+    pairs = below_pairs = 0
+    for name in names:
+        suite = SUITES[name]
+        value = {(r["method"], int(r["seed"])): _value(r, key) for r in rows if r["suite"] == name}
+        for seed in sorted({s for _, s in value}):
+            method, lower = value.get((suite.method, seed)), value.get((suite.lower, seed))
+            if method is not None and lower is not None and np.isfinite(method) and np.isfinite(lower):
+                pairs += 1
+                below_pairs += method < lower
+    devices = Counter(r.get("device") or "?" for r in rows if r["suite"] in names)
     lines += ["", f"{first.method} below {first.lower} (means over seeds): "
-                  + (", ".join(below) if below else "on no suite")]
+                  + (", ".join(below) if below else "on no suite")
+                  + (f"; seed by seed in {below_pairs} of {pairs} (fold, seed) pairs" if pairs else "")
+                  + "; rows from " + ", ".join(f"{d} ({n})" for d, n in sorted(devices.items()))]
     return "\n".join(lines)
 
 
