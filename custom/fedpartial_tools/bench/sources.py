@@ -160,13 +160,16 @@ def use_second_rater(split_dir: str, source: str, sites: Sequence[str]) -> dict:
         ids, masks, has = (arrays[k] for k in keys)
         second.update({int(i): m for i, m, h in zip(ids.tolist(), masks, has) if h})
     done = {}
+    summary_path = os.path.join(split_dir, "split_summary.json")
+    summary = json.load(open(summary_path)) if os.path.isfile(summary_path) else {}
     for site in sites:
         path = os.path.join(split_dir, f"{site}.npz")
         if not os.path.isfile(path):
             raise DataError(f"site '{site}': no site file '{path}' in the split")
         data = load_npz(path)
-        if float(data.info.get("completeness", 1.0)) < 1.0:
-            raise DataError(f"site '{site}' ('{path}') keeps {data.info['completeness']:.0%} of its lesions; the "
+        kept = float(summary.get("per_site", {}).get(site, {}).get("completeness", 1.0))
+        if kept < 1.0:
+            raise DataError(f"site '{site}' ('{path}') keeps {kept:.0%} of its lesions ('{summary_path}'); the "
                             f"second rater's masks would replace its masks whole (give it completeness 1)")
         splits, counts = {}, {}
         for split_name, split in data.splits.items():
@@ -181,8 +184,6 @@ def use_second_rater(split_dir: str, source: str, sites: Sequence[str]) -> dict:
         info = dict(data.info, masks="second rater's where the source has one", second_rater_slices=counts)
         write_site_file(path, Dataset(data.task, data.class_names, splits, data.source, data.site, info))
         done[site] = counts
-    summary_path = os.path.join(split_dir, "split_summary.json")
-    summary = json.load(open(summary_path)) if os.path.isfile(summary_path) else {}
     summary["second_rater"] = done
     with open(summary_path, "w") as f:
         json.dump(summary, f, indent=1)

@@ -242,7 +242,8 @@ def partition(dataset: Dataset, scenario: str, sites: int, seed: int = 0, classe
                 va = Split(va.images, np.stack(kept_val) if kept_val else ref_val.labels, None, va.ids, va.groups)
             else:
                 va = ref_val
-            info.update(completeness=completeness[k], lesions_kept=kept, lesions_total=total)
+            # how complete a site's masks are is the benchmark's truth, kept in the split summary:
+            # a site file holds what a hospital would, its masks, and FedIA has to estimate the rest
             entry.update(completeness=completeness[k], lesions_kept=kept, lesions_total=total)
             class_names = dataset.class_names if dataset.num_classes == 1 else ["lesion"]
         else:
