@@ -676,8 +676,36 @@ def test_a_job_leaves_the_weighting_to_each_participant(tmp_path, side, override
     key = key.replace("rule_args.", f"{job_name}." if side == "server" or "weight_by" in key else "")
     (kit / "local" / "fedpartial_site.json").write_text(json.dumps({"format_version": 1, "datasets": {},
                                                                    "weighting": {key: json.loads(value)}}))
+    if key == "weight_rule":  # an unweighted server asks every site for the same number of steps
+        _edit(job, "client", lambda c: _set_weighting(c, "client", "rule_args.local_iterations=5"))
     assert JobGate(side).validate(str(_deploy(kit, job, target))) == ("", {})  # the participant's own choice
     check_participant_tables(check_config(_configs(job)[side], side), None, side, "dev", "none")  # development: any
+
+
+def test_an_unweighted_server_asks_every_site_for_the_same_number_of_steps(tmp_path):
+    """Under trimmed_mean two sites of 2 and 4 steps (local_epochs 0.55 of 479 and 1861 rows) gave
+    an outside attempt 91 % / 96 % of their update signs: each update is about +-steps x lr per
+    weight, so its size tells the sites apart. Such a server runs only fixed step counts."""
+    unweighted = {"weight_rule": "trimmed_mean", "trim_fraction": 0}
+    kit = _kit(tmp_path, True, weighting=unweighted)
+    server_sets = ["weight_rule=trimmed_mean", "trim_fraction=0"]
+
+    def refusal(overrides, job="fedavg"):
+        return JobGate("server").validate(str(_deploy(kit, _job(tmp_path, server_sets + overrides, job), "server")))[0]
+
+    for overrides, job, rule in (([], "fedavg", "fedavg"), (["rule_args.local_epochs=0.55"], "fedavg", "fedavg"),
+                                 (["rule_args.local_iterations=5", 'rule_args.steps_of={"rule": "fedlsm"}'],
+                                  "fedavg", "fedavg"),  # the compute-matched FedAvg: the method's steps per site
+                                 ([], "fedmlp", "fedmlp")):
+        err = refusal(overrides, job)
+        assert (f"the server refuses the job: FedPartialExecutor rule '{rule}' does not make one fixed number of steps "
+                f"at every site; this server combines the sites' updates unweighted ('trimmed_mean', 'weight_rule' of "
+                f"'weighting' in local/fedpartial_site.json)") in err and str(kit) not in err, (job, err)
+    assert refusal(["rule_args.local_iterations=5"]) == ""
+    assert refusal(["rule_args.local_iterations=30"], "fedlsm") == ""
+    # a size-weighted server (the default) leaves the step count to the job
+    mean_kit = _kit(tmp_path / "mean", True)
+    assert JobGate("server").validate(str(_deploy(mean_kit, _job(tmp_path), "server"))) == ("", {})
 
 
 @pytest.mark.parametrize("side, assignment, key", [("client", "rule_args.high=0.4022", "fedmlp.high"),

@@ -106,6 +106,19 @@ def test_the_shipped_jobs_name_registered_rules():
     assert named >= 10
 
 
+def test_a_provisioned_site_draws_its_training_seed_afresh_for_each_job(tmp_path, sites, monkeypatch):
+    """A development site trains from the job's seed (a seeded run repeats); a provisioned one
+    from a fresh draw per job, so two jobs never repeat its training and their difference is no
+    single step of it."""
+    offered, _ = sites
+    dev, _ = _setup(_kit(tmp_path / "dev"), monkeypatch, data_root=str(offered), seed=7)
+    assert dev.rule.ctx.seed == 7
+    kit = _kit(tmp_path, {"study_a": str(offered)})
+    seeds = {_setup(kit, monkeypatch, dataset="study_a", runtime_version=runtime_identity(), seed=7)[0].rule.ctx.seed
+             for _ in range(3)}
+    assert len(seeds) == 3 and 7 not in seeds
+
+
 # ---- data: the site's own dataset names ---------------------------------------------------
 def test_a_provisioned_site_reads_the_dataset_it_offers(tmp_path, sites, monkeypatch):
     offered, _ = sites

@@ -26,7 +26,7 @@ from fedpartial.flare.common import (GLOBAL_STATS, SITE_IMAGES_SEEN, SITE_METRIC
                                      SITE_TRAIN_SIZE, build_model_from_settings, model_settings,
                                      runtime_description, runtime_version_error)
 from fedpartial.flare.site_config import (SITE_CONFIG, check_data_file, check_limits, check_resized, confined,
-                                          load_site_config, offered_data_root, site_rules)
+                                          load_site_config, offered_data_root, site_rules, training_seed)
 from fedpartial.training.common import (DRAWS, STEPS, check_memory_format, load_state_numpy, place_model, select_device,
                                         state_dict_numpy)
 
@@ -187,7 +187,8 @@ class FedPartialExecutor(Executor):
         memory_format: ``contiguous`` (default) or ``channels_last``: the layout the model trains in
             (see ``fedpartial.training.common.place_model``; on CPU channels_last is 1.2-1.6x faster
             for the methods with affine views, but a seeded run no longer repeats a contiguous one).
-        seed: base seed; each site and round derives its own (``training.common.round_seed``).
+        seed: base seed; each site and round derives its own (``training.common.round_seed``). A
+            provisioned site draws a fresh one for each job instead (``site_config.training_seed``).
         key_metric: validation metric reported to the server for best-model selection.
         state_dir: where per-site state lives, relative to the job's run folder (absolute paths and
             ``..`` are refused); empty = ``<site workspace>/fedpartial_state/<job id>``.
@@ -307,7 +308,8 @@ class FedPartialExecutor(Executor):
         self.model = place_model(build_model_from_settings(self.settings), self.device, self.memory_format)
         self.rule = rule
         self._abort_signal = None
-        ctx = ClientContext(site=self.site, data=self.data, device=self.device, state_dir=state_dir, seed=self.seed,
+        ctx = ClientContext(site=self.site, data=self.data, device=self.device, state_dir=state_dir,
+                            seed=training_seed(self.seed, site_config is not None),
                             log=lambda msg: self.log_info(fl_ctx, msg), add_scalar=self._add_rule_scalar,
                             abort=self._aborted, normalisation=self.settings["normalisation"], reference=reference)
         self.rule.setup(ctx)

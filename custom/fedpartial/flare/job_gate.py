@@ -45,8 +45,9 @@ from nvflare.fuel.utils.config import ConfigFormat, ConfigLoader
 from nvflare.fuel.utils.config_factory import ConfigFactory
 
 from fedpartial.flare.job_schema import CLIENT, CONFIG_FILES, SERVER, check_config
-from fedpartial.flare.site_config import (SUBMISSION_LIMITS, check_job_filters, check_limits, check_server_files,
-                                          check_participant_tables, load_site_config, site_config_path, site_rules)
+from fedpartial.flare.site_config import (SUBMISSION_LIMITS, check_equal_steps, check_job_filters, check_limits,
+                                          check_participant_tables, check_server_files, load_site_config,
+                                          site_config_path, site_rules)
 
 GATE_PATH = "fedpartial.flare.job_gate.JobGate"
 SUBMISSION_GATE_PATH = "fedpartial.flare.job_gate.SubmissionGate"
@@ -139,6 +140,7 @@ def check_app(app_folder: str, side: str, workspace_root: str, where: str) -> Di
         check_job_filters(checked, config, where, raws[s] if s == CLIENT else None)
     if side == SERVER and config is not None:
         check_server_files(out[side], workspace_root, where)
+        check_equal_steps(out.get(CLIENT), config, where, source)
     return out
 
 
