@@ -88,6 +88,32 @@ def test_card_of_a_hand_made_run(tmp_path):
         assert text in md, text
 
 
+def test_the_card_names_how_the_server_combined_the_updates(tmp_path):
+    """An unweighted server (``median`` / ``trimmed_mean``) publishes sample shares as ``server.weights``
+    that it did not apply: the card says which rule combined the updates."""
+    from fedpartial.flare.model_card import write_model_card
+
+    run = _hand_run(tmp_path)
+    config = tmp_path / "app_server" / "config"
+    config.mkdir(parents=True)
+    (config / "config_fed_server.json").write_text(json.dumps({"trim": 0, "components": [
+        {"id": "aggregator", "path": "fedpartial.flare.aggregators.RuleAggregator",
+         "args": {"rule": "fedavg", "weight_rule": "trimmed_mean", "trim_fraction": "{trim}"}}]}))
+    path, _ = write_model_card(str(run), str(config), None, "global_model.pt", "best_global_model.pt", "j1")
+    card = json.loads(Path(path).read_text())
+    weighting = card["method"]["weighting"]
+    assert weighting["settings"] == {"weight_rule": "trimmed_mean", "trim_fraction": 0, "cap_samples": True,
+                                     "max_norm_ratio": 10.0}
+    assert weighting["departures"] == {"weight_rule": {"value": "trimmed_mean", "default": "mean"},
+                                       "trim_fraction": {"value": 0, "default": 0.2}}
+    md = render_markdown(card)
+    assert "- aggregation: `trimmed_mean` (the sites' updates combined unweighted" in md
+    assert "`weight_rule` = \"trimmed_mean\" (default \"mean\")" in md and "`trim_fraction` = 0 (default 0.2)" in md
+    shipped = render_markdown(build_card(str(run), "fedavg", {}, None, None, aggregator_args={"rule": "fedavg"}))
+    assert "- aggregation: `mean` (the method's weighted average); departures from the defaults: none" in shipped
+    assert build_card(str(run), "fedavg", {}, None, None)["method"]["weighting"] is None  # no aggregator: unknown
+
+
 def test_the_runtime_quotes_no_measured_number_and_names_where_the_numbers_are():
     """A number in the runtime drifts from the committed result rows when they are measured again: the
     notes say what kind of limit was measured and name the README / RESULTS rows that hold the values."""
@@ -213,7 +239,8 @@ def test_simulator_card_names_sites_rounds_validation_and_evaluate_appends(sim_r
     for text in ("site-1", "site-2", "site-3", "rounds run: 3 of 3", "## Validation per round (auc)",
                  "| 2 | round 1 |", "`global_model.pt` (model of round 2, the result model)", "## Decision thresholds",
                  "measured on HAM10000 and NIH ChestX-ray14",
-                 "Source: README.md#results (rows fedlsm-ham"):
+                 "Source: README.md#results (rows fedlsm-ham",
+                 "- aggregation: `mean` (the method's weighted average); departures from the defaults: none"):
         assert text in md, text
     model, meta = load_model_file(run / "global_model.pt")
     result = evaluate_data(model, meta, str(root))

@@ -3,7 +3,7 @@ updates worked out by hand: site a = [+1, -1, +1, -1], site b = [+1, +1, -1, -1]
 import numpy as np
 import pytest
 
-from fedpartial_tools.bench.sign_decoding import concentration, decode_two_sites, decoded_shares
+from fedpartial_tools.bench.sign_decoding import binned_bound, concentration, decode_two_sites, decoded_shares
 
 A = np.array([1.0, -1.0, 1.0, -1.0])
 B = np.array([1.0, 1.0, -1.0, -1.0])
@@ -16,7 +16,16 @@ def test_weighted_mean_gives_both_sites_signs():
     assert heavy.tolist() == B.tolist()
     assert light.tolist() == A.tolist()
     shares = decoded_shares([A, B], [0.2, 0.8], "mean")
-    assert shares == {"agree": 0.5, "consensus_0": 0.5, "consensus_1": 1.0, "decoded_0": 1.0, "decoded_1": 1.0}
+    assert shares == {"agree": 0.5, "consensus_0": 0.5, "consensus_1": 1.0, "decoded_0": 1.0, "decoded_1": 1.0,
+                      "bound_0": 1.0, "bound_1": 1.0}
+
+
+def test_the_binned_bound_takes_the_better_reading_per_bin():
+    # |v| bins (2 bins over 4 weights): {0.1, 0.2} and {0.3, 0.4}; truth agrees with sign(v) on
+    # 1 of the low pair (either reading gets 1) and on 0 of the high pair (the opposite gets 2)
+    v = np.array([0.1, -0.2, 0.3, -0.4])
+    truth = np.array([1.0, 1.0, -1.0, 1.0])
+    assert binned_bound(v, truth, bins=2) == pytest.approx(0.75)
 
 
 def test_median_of_two_leaves_only_what_both_share():
@@ -33,6 +42,15 @@ def test_fresh_noise_each_round_averages_away():
     many = decoded_shares([a, b], [0.2, 0.8], "mean", rho=2.0, rounds=2500, rng=np.random.default_rng(0))
     assert one_round["decoded_0"] < 0.6  # the light site is near a coin flip in one round
     assert many["decoded_0"] > 0.99 and many["decoded_1"] == 1.0  # noise std 2 / 50 per weight
+
+
+def test_a_fixed_mask_does_not_average_away():
+    """The sites' secret factors are the same every round: 2,500 rounds of the lead's averaging
+    (which bring fresh noise back to every sign) leave the light site near a coin flip."""
+    a, b = np.tile(A, 2000), np.tile(B, 2000)
+    many = decoded_shares([a, b], [0.2, 0.8], "mean", rho=2.0, rounds=2500, rng=np.random.default_rng(0), mask=1.0)
+    assert many["decoded_0"] < 0.65
+    assert decoded_shares([a, b], [0.2, 0.8], "mean", mask=0.0)["decoded_0"] == 1.0
 
 
 def test_only_two_sites():

@@ -15,7 +15,8 @@ it; ``tests/test_kit_policy.py`` checks every exported job against this list.
 
 #: fedpartial components: the executor, server aggregator, persistor, model locator and model
 #: selector of every job; the privacy filters (statistics filter of the jobs; weight-diff pair of
-#: ``fedpartial_tools.bench.privacy``); the site's result policy and guards of ``provisioning/privacy.json``.
+#: ``fedpartial_tools.bench.privacy``); the site's result policy and guards of ``provisioning/privacy.json``
+#: (and the update mask a site may add to it, docs/DEPLOYMENT.md §6).
 FEDPARTIAL_COMPONENTS = (
     "fedpartial.flare.aggregators.RuleAggregator",
     "fedpartial.flare.executors.FedPartialExecutor",
@@ -28,6 +29,7 @@ FEDPARTIAL_COMPONENTS = (
     "fedpartial.flare.selector.PooledModelSelector",
     "fedpartial.flare.site_policy.FedEventGuard",
     "fedpartial.flare.site_policy.LocalModelGate",
+    "fedpartial.flare.site_policy.UpdateMask",
 )
 
 #: FLARE components the shipped jobs and recipes use (workflows, shareable generator, model

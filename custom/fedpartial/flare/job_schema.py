@@ -266,6 +266,9 @@ COMPONENTS: Dict[str, Component] = {
     _FP + "result_policy.SiteResultPolicy": Component(["client.filters"], {
         "min_count": _MIN_COUNT, "noise_sigma": Maybe(_NOISE), "seed": Maybe(SEED)}),
     _FP + "site_policy.LocalModelGate": Component(["client.filters"], {"share_local_model": Bool()}),
+    # a site's own filter (its privacy.json); a job naming it gets it as a site would set it
+    _FP + "site_policy.UpdateMask": Component(["client.filters"], {
+        "spread": Fixed(1.0), "key_file": Fixed("startup/client.key")}),
     _FP + "site_policy.FedEventGuard": Component(["client.components"], {
         "allowed_events": Maybe(ListOf(NAME, 0, 100)),
         "allowed_tags": Maybe(ListOf(Text(r"[A-Za-z0-9_/*?.-]{1,100}", "a tag pattern", 100), 0, 1000)),

@@ -32,7 +32,6 @@ AGGREGATOR_PATH = "fedpartial.flare.aggregators.RuleAggregator"
 #: measured and name where (``source``: README's "Results" from the committed rows, and the
 #: docs/RESULTS.md sections of what is not yet in committed rows and of the readings);
 #: the numbers stay in those committed rows, never here, so a re-measurement cannot leave the card behind.
-_EARLIER = "docs/RESULTS.md#earlier-measurements-before-committed-rows"
 METHOD_NOTES: Dict[str, Dict[str, str]] = {
     "fedavg": {
         "intended_use": "Baseline: FedAvg on the labels each site holds; the reference a partial-label method "
@@ -60,8 +59,8 @@ METHOD_NOTES: Dict[str, Dict[str, str]] = {
         "known_limits": "Above FedAvg only where its premise holds (frequent positives that other sites train as "
                         "negatives, synthetic shapes); on CT-ICH and ChestX-ray14 not above FedAvg. Measured "
                         "values: see source.",
-        "source": f"README.md#results (rows fedmlp-ctich, fedmlp-nih); {_EARLIER} (rows fedmlp-premise); "
-                  "docs/RESULTS.md#fedmlp-where-its-premise-holds-fedmlp-against-the-baselines"},
+        "source": "README.md#results (rows fedmlp-ctich, fedmlp-nih, fedmlp-premise); "
+                  "docs/RESULTS.md#fedmlp-premise-under-the-committed-rows-protocol-committed-rows"},
     "fedirm": {
         "intended_use": "Semi-supervised federations: a few labelled sites, the others unlabelled.",
         "known_limits": "On HAM10000, FedAvg with FedIRM's recipe on the labelled sites reached what FedIRM did: "
@@ -156,6 +155,24 @@ def method_section(rule: str, rule_args: Optional[dict], client_config: Optional
         out["rule"] = rule or client_rule
         out["key_metric"] = executor.get("key_metric", "")
     return out
+
+
+def weighting_section(aggregator_args: Optional[dict]) -> Optional[Dict]:
+    """How the server combined the sites' updates: the ``RuleAggregator``'s weighting arguments, with
+    those that depart from the shipped defaults (a reader of ``metrics.json``'s ``server.weights``
+    must know whether they were applied: ``median`` / ``trimmed_mean`` combine unweighted).
+
+    Args:
+        aggregator_args: the aggregator's arguments in the job's server config (None = no ``RuleAggregator``).
+    """
+    from fedpartial.flare.site_config import AGGREGATOR_WEIGHTING
+
+    if aggregator_args is None:
+        return None
+    settings = {k: aggregator_args.get(k, default) for k, default in AGGREGATOR_WEIGHTING.items()}
+    return {"settings": settings,
+            "departures": {k: {"value": v, "default": AGGREGATOR_WEIGHTING[k]}
+                           for k, v in settings.items() if v != AGGREGATOR_WEIGHTING[k]}}
 
 
 def training_section(rounds: List[dict]) -> Dict:
@@ -262,7 +279,8 @@ def model_files_section(run_dir: str, names: Sequence[str]) -> Dict:
 
 def build_card(run_dir: str, rule: Optional[str], rule_args: Optional[dict], model: Optional[dict],
                client_config: Optional[dict] = None, job_id: str = "", num_rounds: Optional[int] = None,
-               global_file: str = "global_model.pt", best_file: str = "best_global_model.pt") -> Dict:
+               global_file: str = "global_model.pt", best_file: str = "best_global_model.pt",
+               aggregator_args: Optional[dict] = None) -> Dict:
     """The model card of the run in ``run_dir`` (a dict; :func:`render_markdown` prints it).
 
     Args:
@@ -275,6 +293,7 @@ def build_card(run_dir: str, rule: Optional[str], rule_args: Optional[dict], mod
         job_id: the job's id.
         num_rounds: the rounds the job asked for (None = unknown).
         global_file / best_file: the persistor's file names of the last and the best global model.
+        aggregator_args: the ``RuleAggregator``'s arguments (its weighting; None = unknown).
     """
     from fedpartial.data.types import SEGMENTATION
     from fedpartial.flare.aggregators import METRICS_FILE
@@ -290,7 +309,7 @@ def build_card(run_dir: str, rule: Optional[str], rule_args: Optional[dict], mod
     model = dict(model or {})
     task = model.get("task", "")
     classes = [] if task == SEGMENTATION else list(model.get("class_names", []))
-    method = method_section(rule, rule_args, client_config)
+    method = {**method_section(rule, rule_args, client_config), "weighting": weighting_section(aggregator_args)}
     key_metric = method.get("key_metric") or ("dice_pooled" if task == SEGMENTATION else "auc")
     identity = runtime_identity()
     version, _, digest = identity.partition("+")
@@ -370,6 +389,15 @@ def render_markdown(card: Dict) -> str:
     lines += _settings_lines("site rule", method.get("client"))
     if method.get("client_note"):
         lines.append(f"- note: {method['client_note']}")
+    weighting = method.get("weighting")
+    if weighting:
+        changed = ", ".join(f"`{k}` = {json.dumps(v['value'])} (default {json.dumps(v['default'])})"
+                            for k, v in weighting["departures"].items()) or "none"
+        unweighted = weighting["settings"]["weight_rule"] != "mean"
+        lines.append(f"- aggregation: `{weighting['settings']['weight_rule']}`"
+                     + (" (the sites' updates combined unweighted, coordinate by coordinate: `server.weights` in "
+                        "metrics.json are sample shares, not the weights applied)" if unweighted else
+                        " (the method's weighted average)") + f"; departures from the defaults: {changed}")
     asked = training.get("rounds_asked")
     lines += ["", "## Training", "",
               f"- rounds run: {training.get('rounds_run')}" + (f" of {asked}" if asked is not None else "")
@@ -490,5 +518,5 @@ def write_model_card(run_dir: str, app_config_dir: str, model: Optional[dict], g
     rule = aggregator.get("rule", "fedavg") if aggregator is not None else None  # "fedavg": the class default
     card = build_card(run_dir, rule, (aggregator or {}).get("rule_args"), model, client, job_id,
                       int(asked) if isinstance(asked, (int, float)) or str(asked).isdigit() else None,
-                      global_file, best_file)
+                      global_file, best_file, aggregator)
     return write_card(run_dir, card)

@@ -8,6 +8,12 @@ provisioning/privacy.json and docs/DEPLOYMENT.md "What leaves a site").
   result is on an allow-list, and counts from fewer than ``min_count`` samples are withheld.
 * :class:`FedEventGuard` (a privacy.json component): only allowed federated events leave the site,
   and of the analytics events (TensorBoard curves) only scalars whose tag is on the site's list.
+* :class:`UpdateMask` (a scope filter a site may add, in BOTH chains, last): each weight's update
+  leaves rescaled by the site's secret factor, so a lead who makes every update about +-k x lr cannot
+  read a site's signs from a weighted average (docs/DEPLOYMENT.md §6). Append
+  :data:`UPDATE_MASK_FILTER` to both chains of the default scope::
+
+    {"path": "fedpartial.flare.site_policy.UpdateMask", "args": {"spread": 1.0}}
 
 FLARE's scope filters see task data and task results only; analytics travel as federated events
 (``ConvertToFedEvent`` -> ``ClientFedEventRunner`` -> aux message), which no filter sees. A
@@ -160,6 +166,80 @@ class LocalModelGate(Filter):
             self.log_info(fl_ctx, f"site '{site}': the result of task '{task}' withheld: it carries model weights "
                                   f"but {why}, and this site does not share its local model")
         return make_reply(ReturnCode.EMPTY_RESULT)
+
+
+#: the entry a site appends to both chains of its privacy.json scope to mask its updates
+UPDATE_MASK_FILTER = {"path": "fedpartial.flare.site_policy.UpdateMask", "args": {"spread": 1.0}}
+#: fl_ctx property the mask's task-data half leaves for its result half: ``{"task_id", "weights"}``
+TASK_RECEIVED_WEIGHTS = "fedpartial.task_received_weights"
+
+
+class UpdateMask(Filter):
+    """Scope filter: each weight's update leaves the site rescaled by a factor drawn once from the
+    site's secret (:mod:`fedpartial.algorithms.update_mask`), the same in every round and job.
+
+    List it in BOTH chains of the scope, after the other filters: ``task_data_filters`` remembers the
+    global model a training task brought, ``task_result_filters`` sends ``received + factors x
+    (local - received)`` (a WEIGHT_DIFF result: ``factors x diff``). A result carrying weights that no
+    remembered model matches is withheld, never sent unmasked.
+
+    Args:
+        spread: the factors are uniform in ``[1 - spread, 1 + spread]``; in [0, 1].
+        key_file: the secret's file, relative to the kit's folder: by default the site's private key
+            (``startup/client.key``), which never leaves the site.
+    """
+
+    def __init__(self, spread: float = 1.0, key_file: str = "startup/client.key"):
+        super().__init__()
+        if isinstance(spread, bool) or not isinstance(spread, numbers.Real) or not 0.0 <= float(spread) <= 1.0:
+            raise ValueError(f"UpdateMask spread must be a number in [0, 1], got {spread!r}")
+        if not isinstance(key_file, str) or not key_file:
+            raise ValueError(f"UpdateMask key_file must be a path relative to the kit, got {key_file!r}")
+        self.spread, self.key_file = float(spread), key_file
+
+    def _key(self, fl_ctx: FLContext) -> bytes:
+        from fedpartial.flare.site_config import confined
+
+        root = fl_ctx.get_engine().get_workspace().get_root_dir()
+        path = confined(root, self.key_file, "key_file", "the site's UpdateMask")
+        with open(path, "rb") as f:
+            key = f.read()
+        if not key:
+            raise ValueError(f"UpdateMask key file '{path}' is empty")
+        return key
+
+    def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
+        from fedpartial.algorithms.update_mask import masked_diff, masked_weights
+
+        task_id = fl_ctx.get_prop(FLContextKey.TASK_ID)
+        if str(fl_ctx.get_prop(FLContextKey.FILTER_DIRECTION, "")).lower() == "in":
+            try:
+                dxo = from_shareable(shareable)
+            except Exception:  # not a DXO: the task brought no model
+                return shareable
+            if dxo.data_kind == DataKind.WEIGHTS and isinstance(dxo.data, dict):
+                fl_ctx.set_prop(TASK_RECEIVED_WEIGHTS, {"task_id": task_id, "weights": dict(dxo.data)},
+                                private=True, sticky=False)
+            return shareable
+        if not shareable_carries_weights(shareable):
+            return shareable
+        site = fl_ctx.get_identity_name() or "?"
+        try:
+            dxo = from_shareable(shareable)
+            key = self._key(fl_ctx)
+            if dxo.data_kind == DataKind.WEIGHT_DIFF:
+                dxo.data = masked_diff(dxo.data, key, self.spread)
+            else:
+                received = fl_ctx.get_prop(TASK_RECEIVED_WEIGHTS)
+                if dxo.data_kind != DataKind.WEIGHTS or not isinstance(received, dict) \
+                        or received.get("task_id") != task_id:
+                    raise ValueError(f"a {dxo.data_kind} result of a task that brought no global model to mask "
+                                     f"against (is UpdateMask in this scope's task_data_filters?)")
+                dxo.data = masked_weights(received["weights"], dxo.data, key, self.spread)
+        except Exception as e:
+            self.log_error(fl_ctx, f"site '{site}': result withheld, the update mask could not be applied: {e}")
+            return make_reply(ReturnCode.EMPTY_RESULT)
+        return dxo.update_shareable(shareable)
 
 
 class FedEventGuard(FLComponent):

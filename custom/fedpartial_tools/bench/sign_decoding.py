@@ -15,7 +15,9 @@ on real site files, for the server's aggregation rule and for noise a site would
   round; ``rounds``: the lead averages that many rounds (at a tiny lr the model hardly moves, so
   each round repeats the same update and the noise averages away);
 * ``concentration``: the share of a site's weight changes within 25 % of its median change (1:
-  every weight moved alike, the regime the decoder needs).
+  every weight moved alike, the regime the decoder needs);
+* ``mask``: each site rescales each weight's update by its secret factor in ``[1 - mask, 1 + mask]``
+  (:mod:`fedpartial.algorithms.update_mask`, the same in every round, so averaging rounds keeps it).
 
 ``python -m fedpartial_tools.bench.sign_decoding --data ../shared/data/ham10000_28.npz --out runs/signs``
 """
@@ -56,6 +58,25 @@ def decode_two_sites(scaled: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return signs, np.where(same, signs, -signs)
 
 
+def binned_bound(scaled: np.ndarray, truth: np.ndarray, bins: int = 200) -> float:
+    """An upper bound on any decoder that reads one weight at a time: within each of ``bins``
+    quantile bins of ``|v|``, the better of "the aggregate's sign" and "its opposite", chosen
+    knowing ``truth`` (the site's real signs).
+
+    Args:
+        scaled: the aggregate's change per weight, flattened.
+        truth: the site's signs, flattened.
+        bins: quantile bins of ``|scaled|``.
+    """
+    magnitude = np.abs(scaled)
+    edges = np.quantile(magnitude, np.linspace(0.0, 1.0, bins + 1))
+    which = np.clip(np.searchsorted(edges, magnitude, side="right") - 1, 0, bins - 1)
+    same = np.sign(scaled) == truth
+    agree = np.bincount(which, weights=same.astype(float), minlength=bins)
+    total = np.bincount(which, minlength=bins)
+    return float(np.maximum(agree, total - agree).sum() / len(scaled))
+
+
 def concentration(update: np.ndarray, band: float = 0.25) -> float:
     """Share of an update's weights whose change lies within ``band`` x the median change of it.
 
@@ -75,7 +96,7 @@ def concentration(update: np.ndarray, band: float = 0.25) -> float:
 
 def decoded_shares(updates: Sequence[np.ndarray], site_weights: Sequence[float], rule: str,
                    rho: float = 0.0, rounds: int = 1, rng: np.random.Generator = None,
-                   tensor_sizes: Sequence[int] = ()) -> Dict[str, float]:
+                   tensor_sizes: Sequence[int] = (), mask: float = 0.0) -> Dict[str, float]:
     """Share of each site's update signs the lead reads from the (round-averaged) aggregate.
 
     Args:
@@ -87,10 +108,12 @@ def decoded_shares(updates: Sequence[np.ndarray], site_weights: Sequence[float],
         rng: noise generator.
         tensor_sizes: sizes of the tensors ``updates`` concatenates, for the per-tensor RMS
             (empty: one tensor).
+        mask: the sites' update mask spread (0 = none); site i masks with the key ``site-<i+1>``.
 
     Returns:
         ``decoded_<i>`` (the lead's share for site i: the decoder's under ``mean``, the
-        consensus under ``median``), ``consensus_<i>`` (the aggregate's sign taken for site i) and
+        consensus under ``median``), ``consensus_<i>`` (the aggregate's sign taken for site i),
+        ``bound_<i>`` (:func:`binned_bound`: what any one-weight-at-a-time decoder can reach) and
         ``agree`` (share of weights where both sites' signs agree).
     """
     from fedpartial.algorithms.robust import coordinate_median
@@ -99,8 +122,12 @@ def decoded_shares(updates: Sequence[np.ndarray], site_weights: Sequence[float],
         raise ValueError(f"decoded_shares measures a 2-site aggregate, got {len(updates)} updates")
     rng = rng or np.random.default_rng(0)
     sizes = list(tensor_sizes) or [updates[0].size]
+    from fedpartial.algorithms.update_mask import masked_diff
+
     noisy = []
-    for update in updates:
+    for i, update in enumerate(updates):
+        if mask > 0:
+            update = masked_diff({"update": update}, f"site-{i + 1}".encode(), mask)["update"]
         if rho > 0:
             pieces = np.split(update, np.cumsum(sizes)[:-1])
             scale = np.concatenate([np.full(p.size, np.sqrt(np.mean(p ** 2))) for p in pieces])
@@ -118,6 +145,7 @@ def decoded_shares(updates: Sequence[np.ndarray], site_weights: Sequence[float],
     out = {"agree": float(np.mean(truth[0] == truth[1]))}
     for i in range(2):
         out[f"consensus_{i}"] = float(np.mean(np.sign(scaled) == truth[i]))
+        out[f"bound_{i}"] = binned_bound(scaled, truth[i])
     if rule == "median":
         # the aggregate does not change when the sites swap updates, so no weight's sign can be
         # given to one site: the lead's best guess for each is the aggregate's own sign
@@ -184,6 +212,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", default="2,10", help="comma list of local steps (0: one epoch)")
     parser.add_argument("--rho", default="0,0.5,1,2", help="comma list of site noise (x update RMS)")
     parser.add_argument("--rounds", default="1,10,100", help="comma list of rounds the lead averages")
+    parser.add_argument("--mask", default="0", help="comma list of the sites' update mask spreads")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -198,8 +227,8 @@ def main(argv=None) -> None:
              "task": first.task, "in_channels": int(images.shape[-1]) if images.ndim == 4 else 1,
              "input_size": [int(images.shape[1]), int(images.shape[2])]}
     rng = np.random.default_rng(args.seed)
-    print("steps | rule | rho | rounds | site weights | decoded site-1 / site-2 | consensus site-1 / site-2 | signs agree"
-          " | concentration site-1 / site-2")
+    print("steps | rule | mask | rho | rounds | site weights | decoded site-1 / site-2 | consensus site-1 / site-2 | "
+          "bound site-1 / site-2 | signs agree | concentration site-1 / site-2")
     for steps in (int(s) for s in args.steps.split(",")):
         rule_args = {"lr": args.lr, "batch_size": args.batch_size, "augmentation": "none"}
         if steps > 0:  # 0: the shipped recipe's one epoch over each site's labelled rows
@@ -208,14 +237,15 @@ def main(argv=None) -> None:
         weights = [s / sum(sizes) for s in sizes]
         held = [concentration(u) for u in updates]
         for rule in ("mean", "median"):
-            for rho in (float(r) for r in args.rho.split(",")):
-                for rounds in (int(r) for r in args.rounds.split(",")):
-                    if rho == 0 and rounds > 1:
-                        continue
-                    s = decoded_shares(updates, weights, rule, rho, rounds, rng, tensors)
-                    print(f"{steps} | {rule} | {rho:g} | {rounds} | {weights[0]:.3f} / {weights[1]:.3f} | "
-                          f"{s['decoded_0']:.3f} / {s['decoded_1']:.3f} | {s['consensus_0']:.3f} / "
-                          f"{s['consensus_1']:.3f} | {s['agree']:.3f} | {held[0]:.3f} / {held[1]:.3f}", flush=True)
+            for mask, rho, rounds in ((m, r, n) for m in args.mask.split(",") for r in args.rho.split(",")
+                                      for n in args.rounds.split(",")):
+                mask, rho, rounds = float(mask), float(rho), int(rounds)
+                if rho == 0 and rounds > 1:
+                    continue
+                s = decoded_shares(updates, weights, rule, rho, rounds, rng, tensors, mask)
+                print(f"{steps} | {rule} | {mask:g} | {rho:g} | {rounds} | {weights[0]:.3f} / {weights[1]:.3f} | "
+                      f"{s['decoded_0']:.3f} / {s['decoded_1']:.3f} | {s['consensus_0']:.3f} / "
+                      f"{s['consensus_1']:.3f} | {s['bound_0']:.3f} / {s['bound_1']:.3f} | {s['agree']:.3f} | {held[0]:.3f} / {held[1]:.3f}", flush=True)
 
 
 if __name__ == "__main__":

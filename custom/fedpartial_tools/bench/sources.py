@@ -10,11 +10,12 @@ from typing import Sequence
 import numpy as np
 
 from fedpartial_tools.bench.suites import REPO, SUITES, Suite
+from fedpartial_tools.data.partition import SUMMARY_JSON
 
 
 def split_source(out_dir: str, name: str, seed: int, data_dir: str) -> str:
     """The data file a seed's split was made from (the suite's CPU file when it does not say)."""
-    summary = os.path.join(out_dir, name, f"seed{seed}", "sites", "split_summary.json")
+    summary = os.path.join(out_dir, name, f"seed{seed}", "sites", SUMMARY_JSON)
     made_from = json.load(open(summary)).get("source") if os.path.isfile(summary) else None
     if made_from and os.path.isfile(made_from):
         return made_from
@@ -160,7 +161,7 @@ def use_second_rater(split_dir: str, source: str, sites: Sequence[str]) -> dict:
         ids, masks, has = (arrays[k] for k in keys)
         second.update({int(i): m for i, m, h in zip(ids.tolist(), masks, has) if h})
     done = {}
-    summary_path = os.path.join(split_dir, "split_summary.json")
+    summary_path = os.path.join(split_dir, SUMMARY_JSON)
     summary = json.load(open(summary_path)) if os.path.isfile(summary_path) else {}
     for site in sites:
         path = os.path.join(split_dir, f"{site}.npz")

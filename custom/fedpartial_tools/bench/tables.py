@@ -210,6 +210,7 @@ def group_table(group: str, rows: List[dict], key: str) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     means: Dict[str, List[float]] = {}  # job -> its mean over seeds, per suite
     below = []
+    pairs = below_pairs = 0  # seed by seed: a fold's mean can hide the seeds where the method is below
     for name in names:
         suite = SUITES[name]
         of_job = {job: [r for r in rows if r["suite"] == name and r["method"] == job]
@@ -223,20 +224,16 @@ def group_table(group: str, rows: List[dict], key: str) -> str:
                                       + [_share(gap)]) + " |")
         if suite_means[suite.method] < suite_means[suite.lower]:  # False where either is NaN
             below.append(name)
-    over = {job: mean_std(values)[0] for job, values in means.items()}
-    gap = gap_closed(over[first.method], over[first.lower], over[first.upper])
-    lines.append("| " + " | ".join([f"mean of {len(names)} suites", ""] + [_mean_cell(over[j]) for j in jobs]
-                                  + [_share(gap)]) + " |")
-    # seed by seed: a fold's mean can hide the seeds where the method is below
-    pairs = below_pairs = 0
-    for name in names:
-        suite = SUITES[name]
-        value = {(r["method"], int(r["seed"])): _value(r, key) for r in rows if r["suite"] == name}
+        value = {(r["method"], int(r["seed"])): _value(r, key) for r in of_job[suite.method] + of_job[suite.lower]}
         for seed in sorted({s for _, s in value}):
             method, lower = value.get((suite.method, seed)), value.get((suite.lower, seed))
             if method is not None and lower is not None and np.isfinite(method) and np.isfinite(lower):
                 pairs += 1
                 below_pairs += method < lower
+    over = {job: mean_std(values)[0] for job, values in means.items()}
+    gap = gap_closed(over[first.method], over[first.lower], over[first.upper])
+    lines.append("| " + " | ".join([f"mean of {len(names)} suites", ""] + [_mean_cell(over[j]) for j in jobs]
+                                  + [_share(gap)]) + " |")
     devices = Counter(r.get("device") or "?" for r in rows if r["suite"] in names)
     lines += ["", f"{first.method} below {first.lower} (means over seeds): "
                   + (", ".join(below) if below else "on no suite")
