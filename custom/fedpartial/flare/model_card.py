@@ -349,12 +349,16 @@ def _table(head: List[str], rows: List[List]) -> List[str]:
         "| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
 
 
+def _departures(departures: Dict[str, dict], none: str) -> str:
+    """``departures`` ({key: {value, default}}) as ```key` = value (default d)``, or ``none``."""
+    return ", ".join(f"`{k}` = {json.dumps(v['value'])} (default {json.dumps(v['default'])})"
+                     for k, v in departures.items()) or none
+
+
 def _settings_lines(label: str, part: Optional[dict]) -> List[str]:
     if not part:
         return [f"- {label}: unknown"]
-    dep = part["departures"]
-    changed = ", ".join(f"`{k}` = {json.dumps(v['value'])} (default {json.dumps(v['default'])})"
-                        for k, v in dep.items()) or "none (the method's defaults)"
+    changed = _departures(part["departures"], "none (the method's defaults)")
     every = ", ".join(f"{k}={json.dumps(v)}" for k, v in part["settings"].items())
     return [f"- {label}: `{part['rule']}` ({part['class']}); departures from the defaults: {changed}",
             f"  - all settings: {every}"]
@@ -391,8 +395,7 @@ def render_markdown(card: Dict) -> str:
         lines.append(f"- note: {method['client_note']}")
     weighting = method.get("weighting")
     if weighting:
-        changed = ", ".join(f"`{k}` = {json.dumps(v['value'])} (default {json.dumps(v['default'])})"
-                            for k, v in weighting["departures"].items()) or "none"
+        changed = _departures(weighting["departures"], "none")
         unweighted = weighting["settings"]["weight_rule"] != "mean"
         lines.append(f"- aggregation: `{weighting['settings']['weight_rule']}`"
                      + (" (the sites' updates combined unweighted, coordinate by coordinate: `server.weights` in "

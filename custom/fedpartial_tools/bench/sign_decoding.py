@@ -117,13 +117,12 @@ def decoded_shares(updates: Sequence[np.ndarray], site_weights: Sequence[float],
         ``agree`` (share of weights where both sites' signs agree).
     """
     from fedpartial.algorithms.robust import coordinate_median
+    from fedpartial.algorithms.update_mask import masked_diff
 
     if len(updates) != 2 or len(site_weights) != 2:
         raise ValueError(f"decoded_shares measures a 2-site aggregate, got {len(updates)} updates")
     rng = rng or np.random.default_rng(0)
     sizes = list(tensor_sizes) or [updates[0].size]
-    from fedpartial.algorithms.update_mask import masked_diff
-
     noisy = []
     for i, update in enumerate(updates):
         if mask > 0:
@@ -158,6 +157,52 @@ def decoded_shares(updates: Sequence[np.ndarray], site_weights: Sequence[float],
     return out
 
 
+def small_model_block(site_file: str) -> dict:
+    """The job's model block for the small CNN on a classification site file: its classes, task,
+    channels and image size.
+
+    Args:
+        site_file: one site's ``.npz``.
+    """
+    from fedpartial.data.sitefile import load_site_file
+
+    site = load_site_file(site_file)
+    images = site.splits["train"].images
+    return {"arch": "small_cnn", "arch_args": {"width": 8}, "class_names": list(site.class_names),
+            "task": site.task, "in_channels": int(images.shape[-1]) if images.ndim == 4 else 1,
+            "input_size": [int(images.shape[1]), int(images.shape[2])]}
+
+
+def fedavg_sites(site_files: Sequence[str], settings: dict, rule_args: dict, seed: int, state_root: str) -> list:
+    """Each site's FedAvg client rule, set up on its file as the executor would, on the CPU.
+
+    Args:
+        site_files: the sites' ``.npz`` files (the site is named after the file).
+        settings: the model settings (``fedpartial.flare.common.model_settings``).
+        rule_args: the FedAvg client rule's settings.
+        seed: the job's seed (the batches).
+        state_root: a folder for the rules' state, one subfolder per site.
+
+    Returns:
+        ``[(site, rule)]`` in the files' order.
+    """
+    import torch
+
+    from fedpartial.algorithms.base import ClientContext
+    from fedpartial.algorithms.registry import build_rule
+    from fedpartial.flare.executors import load_site_dataset
+
+    sites = []
+    for path in site_files:
+        site = os.path.splitext(os.path.basename(path))[0]
+        rule = build_rule("client", "fedavg", dict(rule_args))
+        rule.setup(ClientContext(site=site, data=load_site_dataset(path, site, settings), device=torch.device("cpu"),
+                                 state_dir=os.path.join(state_root, site), seed=seed,
+                                 normalisation=settings["normalisation"]))
+        sites.append((site, rule))
+    return sites
+
+
 def site_updates(site_files: Sequence[str], model: dict, rule_args: dict, seed: int = 0
                  ) -> Tuple[List[np.ndarray], List[int], List[int]]:
     """Each site's round-0 FedAvg update from the same seeded initial model, in units of lr.
@@ -174,10 +219,8 @@ def site_updates(site_files: Sequence[str], model: dict, rule_args: dict, seed: 
     """
     import torch
 
-    from fedpartial.algorithms.base import ClientContext, RoundInput
-    from fedpartial.algorithms.registry import build_rule
+    from fedpartial.algorithms.base import RoundInput
     from fedpartial.flare.common import build_model_from_settings, model_settings
-    from fedpartial.flare.executors import load_site_dataset
     from fedpartial.training.common import load_state_numpy, state_dict_numpy
 
     settings = model_settings(model)
@@ -186,19 +229,14 @@ def site_updates(site_files: Sequence[str], model: dict, rule_args: dict, seed: 
     keys = [k for k, t in theta0.items() if np.issubdtype(t.dtype, np.floating) and "running" not in k]
     lr = float(rule_args["lr"])
     updates, sizes = [], []
-    for path in site_files:
-        site = os.path.splitext(os.path.basename(path))[0]
-        data = load_site_dataset(path, site, settings)
-        rule = build_rule("client", "fedavg", dict(rule_args))
-        with tempfile.TemporaryDirectory() as state_dir:
-            rule.setup(ClientContext(site=site, data=data, device=torch.device("cpu"), state_dir=state_dir,
-                                     seed=seed, normalisation=settings["normalisation"]))
+    with tempfile.TemporaryDirectory() as state_root:
+        for _, rule in fedavg_sites(site_files, settings, rule_args, seed, state_root):
             net = build_model_from_settings(settings)
             load_state_numpy(net, theta0)
             result = rule.train_round(net, RoundInput(0, 1, {}))
-        local = state_dict_numpy(net)
-        updates.append(np.concatenate([((theta0[k] - local[k]).astype(np.float64) / lr).ravel() for k in keys]))
-        sizes.append(int(result.num_samples))
+            local = state_dict_numpy(net)
+            updates.append(np.concatenate([((theta0[k] - local[k]).astype(np.float64) / lr).ravel() for k in keys]))
+            sizes.append(int(result.num_samples))
     return updates, sizes, [int(theta0[k].size) for k in keys]
 
 
@@ -216,16 +254,11 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from fedpartial.data.sitefile import load_site_file
     from fedpartial_tools.data.partition import split_file
 
     split_file(args.data, "label-set-mismatch", 2, args.seed, args.out, classes_per_site=4)
     files = [os.path.join(args.out, f"site-{i}.npz") for i in (1, 2)]
-    first = load_site_file(files[0])
-    images = first.splits["train"].images
-    model = {"arch": "small_cnn", "arch_args": {"width": 8}, "class_names": list(first.class_names),
-             "task": first.task, "in_channels": int(images.shape[-1]) if images.ndim == 4 else 1,
-             "input_size": [int(images.shape[1]), int(images.shape[2])]}
+    model = small_model_block(files[0])
     rng = np.random.default_rng(args.seed)
     print("steps | rule | mask | rho | rounds | site weights | decoded site-1 / site-2 | consensus site-1 / site-2 | "
           "bound site-1 / site-2 | signs agree | concentration site-1 / site-2")
@@ -245,7 +278,8 @@ def main(argv=None) -> None:
                 s = decoded_shares(updates, weights, rule, rho, rounds, rng, tensors, mask)
                 print(f"{steps} | {rule} | {mask:g} | {rho:g} | {rounds} | {weights[0]:.3f} / {weights[1]:.3f} | "
                       f"{s['decoded_0']:.3f} / {s['decoded_1']:.3f} | {s['consensus_0']:.3f} / "
-                      f"{s['consensus_1']:.3f} | {s['bound_0']:.3f} / {s['bound_1']:.3f} | {s['agree']:.3f} | {held[0]:.3f} / {held[1]:.3f}", flush=True)
+                      f"{s['consensus_1']:.3f} | {s['bound_0']:.3f} / {s['bound_1']:.3f} | {s['agree']:.3f} | "
+                      f"{held[0]:.3f} / {held[1]:.3f}", flush=True)
 
 
 if __name__ == "__main__":

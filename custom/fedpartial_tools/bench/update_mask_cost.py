@@ -1,7 +1,7 @@
 """What a site's update mask (:mod:`fedpartial.algorithms.update_mask`) costs a FedAvg training.
 
 Runs FedAvg in-process (no FLARE: each site's shipped client rule trains from the global model,
-the server takes the sample-weighted mean of what the sites send) on a split of a classification
+the server takes FedAvg's sample-weighted mean, ``fedavg_weights``, of what the sites send) on a split of a classification
 file, once with plain updates and once per mask spread, every site masking with its own key, the
 same seed and batches otherwise; reports the global model's AUC on the source's val split by round.
 The test split is not read.
@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from typing import Dict, List, Sequence
+from typing import List, Sequence
 
 import numpy as np
+
+from fedpartial_tools.bench.sign_decoding import fedavg_sites, small_model_block
 
 
 def fedavg_with_mask(site_files: Sequence[str], source: str, model: dict, rule_args: dict, rounds: int,
@@ -33,13 +35,12 @@ def fedavg_with_mask(site_files: Sequence[str], source: str, model: dict, rule_a
     """
     import torch
 
-    from fedpartial.algorithms.base import ClientContext, RoundInput
-    from fedpartial.algorithms.registry import build_rule
+    from fedpartial.algorithms.aggregation import fedavg_weights
+    from fedpartial.algorithms.base import RoundInput, SiteUpdate
     from fedpartial.algorithms.update_mask import masked_weights
     from fedpartial.data.npz import load_npz
     from fedpartial.evaluation import evaluate_split
     from fedpartial.flare.common import build_model_from_settings, model_settings
-    from fedpartial.flare.executors import load_site_dataset
     from fedpartial.training.common import load_state_numpy, state_dict_numpy
 
     settings = model_settings(model)
@@ -47,27 +48,18 @@ def fedavg_with_mask(site_files: Sequence[str], source: str, model: dict, rule_a
     net = build_model_from_settings(settings)
     global_weights = state_dict_numpy(net)
     val = load_npz(source).splits["val"]
-    sites = []
+    curve = []
     with tempfile.TemporaryDirectory() as state_root:
-        for path in site_files:
-            site = os.path.splitext(os.path.basename(path))[0]
-            rule = build_rule("client", "fedavg", dict(rule_args))
-            rule.setup(ClientContext(site=site, data=load_site_dataset(path, site, settings),
-                                     device=torch.device("cpu"), state_dir=os.path.join(state_root, site), seed=seed,
-                                     normalisation=settings["normalisation"]))
-            sites.append((site, rule))
-        curve = []
+        sites = fedavg_sites(site_files, settings, rule_args, seed, state_root)
         for round_index in range(rounds):
-            sent, counts = [], []
+            sent = []
             for site, rule in sites:
                 load_state_numpy(net, global_weights)
                 result = rule.train_round(net, RoundInput(round_index, rounds, {}))
                 local = state_dict_numpy(net)
-                sent.append(masked_weights(global_weights, local, site.encode(), spread) if spread > 0 else local)
-                counts.append(float(result.num_samples))
-            shares = np.asarray(counts) / np.sum(counts)
-            global_weights = {k: (sum(s * w[k].astype(np.float64) for s, w in zip(shares, sent))
-                                  ).astype(global_weights[k].dtype) for k in global_weights}
+                weights = masked_weights(global_weights, local, site.encode(), spread) if spread > 0 else local
+                sent.append(SiteUpdate(site, weights, result.num_samples))
+            global_weights = fedavg_weights(sent)
             load_state_numpy(net, global_weights)
             metrics = evaluate_split(net, val, settings["task"], settings["class_names"], settings["normalisation"],
                                      torch.device("cpu"))
@@ -87,7 +79,6 @@ def main(argv=None) -> None:
     parser.add_argument("--seeds", default="0")
     args = parser.parse_args(argv)
 
-    from fedpartial.data.sitefile import load_site_file
     from fedpartial_tools.data.partition import split_file
 
     print("seed | spread | val AUC by round (every 5th) | last | mean of the last 5")
@@ -95,16 +86,10 @@ def main(argv=None) -> None:
         out = os.path.join(args.out, f"seed{seed}")
         split_file(args.data, "label-set-mismatch", args.sites, seed, out, classes_per_site=args.classes_per_site)
         files = [os.path.join(out, f"site-{i}.npz") for i in range(1, args.sites + 1)]
-        first = load_site_file(files[0])
-        images = first.splits["train"].images
-        model = {"arch": "small_cnn", "arch_args": {"width": 8}, "class_names": list(first.class_names),
-                 "task": first.task, "in_channels": int(images.shape[-1]) if images.ndim == 4 else 1,
-                 "input_size": [int(images.shape[1]), int(images.shape[2])]}
-        results: Dict[float, List[float]] = {}
+        model = small_model_block(files[0])
         for spread in (float(s) for s in args.spread.split(",")):
             curve = fedavg_with_mask(files, args.data, model, {"lr": 1e-3, "batch_size": 64}, args.rounds, spread,
                                      seed)
-            results[spread] = curve
             print(f"{seed} | {spread:g} | " + " ".join(f"{v:.3f}" for v in curve[4::5]) + f" | {curve[-1]:.4f} | "
                   f"{np.mean(curve[-5:]):.4f}", flush=True)
 
