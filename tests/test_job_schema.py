@@ -20,7 +20,7 @@ from fedpartial.flare import job_schema
 from fedpartial.flare.allowed import CLASS_ALLOW_LIST
 from fedpartial.flare.job_gate import GATE_PATH, SUBMISSION_GATE_PATH, JobGate, check_app, gate_error
 from fedpartial.flare.job_schema import COMPONENTS, JobRefused, check_config
-from fedpartial.flare.site_config import (FLOORS, FRACTION_FLOORS, LIMITED_ARGS, LIMITS, PARTICIPANT_TABLES,
+from fedpartial.flare.site_config import (FLOORS, FRACTION_BOUNDS, LIMITED_ARGS, LIMITS, PARTICIPANT_TABLES,
                                           SUBMISSION_LIMITS, check_limits, site_rules)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -332,6 +332,25 @@ def test_a_site_refuses_adam_betas_that_make_every_step_a_gradient_sign(tmp_path
     assert JobGate("client").validate(str(app)) == ("", {})
 
 
+def test_a_site_refuses_a_weight_decay_that_makes_every_update_predictable(tmp_path):
+    """At a tiny lr a decay that outweighs the data's gradient moves each weight by -lr x sign(its
+    round-0 value): an outside attempt read the sites' secret UpdateMask factors from such a job
+    (weight_decay 1.0) and divided them out of a later one."""
+    kit = _kit(tmp_path, False)
+    app = _deploy(kit, _job(tmp_path, ["rule_args.weight_decay=1.0"]), "site-1")
+    err, _ = JobGate("client").validate(str(app))
+    assert ("site 'site-1' refuses the job: FedPartialExecutor rule_args.weight_decay = 1.0 is above this "
+            "participant's limit of 0.01 ('max_weight_decay' in local/fedpartial_site.json)") in err, err
+    for allowed in ("0.01", "0.0005"):
+        app = _deploy(kit, _job(tmp_path, [f"rule_args.weight_decay={allowed}"]), "site-1")
+        assert JobGate("client").validate(str(app)) == ("", {})
+    # the site's own file decides
+    (kit / "local" / "fedpartial_site.json").write_text(json.dumps({"format_version": 1, "datasets": {},
+                                                                   "max_weight_decay": 0.5}))
+    app = _deploy(kit, _job(tmp_path, ["rule_args.weight_decay=0.3"]), "site-1")
+    assert JobGate("client").validate(str(app)) == ("", {})
+
+
 def test_the_round0_model_comes_from_the_server_kit_never_the_jobs_app_folder(tmp_path):
     server = _kit(tmp_path, True)
     job = _job(tmp_path, ['model.pretrained="crafted.pt"'])
@@ -513,7 +532,7 @@ def test_a_site_refuses_rounds_beyond_its_limit(caplog):
 
 def test_floors_and_limits_have_documented_defaults_and_a_site_may_change_them():
     rules = site_rules({"path": "x", "max_batch_size": 32, "min_count": 10})
-    assert rules == {**FLOORS, **FRACTION_FLOORS, **LIMITS, **SUBMISSION_LIMITS, "max_batch_size": 32, "min_count": 10}
+    assert rules == {**FLOORS, **FRACTION_BOUNDS, **LIMITS, **SUBMISSION_LIMITS, "max_batch_size": 32, "min_count": 10}
     with pytest.raises(ValueError, match="min_sites_per_round must be an integer >= 1"):
         site_rules({"path": "x", "min_sites_per_round": 0})
     with pytest.raises(ValueError, match=r"min_adam_beta2 must be a number in \[0, 1\), got 1"):
@@ -521,7 +540,7 @@ def test_floors_and_limits_have_documented_defaults_and_a_site_may_change_them()
     deployment = (REPO / "docs" / "DEPLOYMENT.md").read_text()
     tables = {key: value for server, site, _, _ in PARTICIPANT_TABLES.values()
               for key, value in {**server, **site}.items()}
-    for key, value in {**FLOORS, **FRACTION_FLOORS, **LIMITS, **SUBMISSION_LIMITS, **tables}.items():
+    for key, value in {**FLOORS, **FRACTION_BOUNDS, **LIMITS, **SUBMISSION_LIMITS, **tables}.items():
         shown = f"{value:,}" if isinstance(value, (int, float)) and not isinstance(value, bool) else \
             json.dumps(value).strip('"')
         assert f"`{key}`" in deployment and (shown in deployment or str(value) in deployment), key

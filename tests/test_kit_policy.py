@@ -334,7 +334,8 @@ def test_each_kit_holds_its_floors_limits_weighting_and_statistics_and_the_serve
     for site in SITE_ORGS:
         own = _json(prod / site / "local" / "fedpartial_site.json")
         assert own["weighting"] == SITE_WEIGHTING and own["statistics"] == SITE_STATISTICS
-        assert own["min_count"] == 5 and own["min_local_steps"] == 2 and own["min_adam_beta2"] == 0.9
+        assert own["min_count"] == 5 and own["min_local_steps"] == 2 and own["min_adam_beta2"] == 0.9 \
+            and own["max_weight_decay"] == 0.01
         assert {k: own[k] for k in LIMITS} == LIMITS and not set(SUBMISSION_LIMITS) & set(own)
         assert "min_sites_per_round" not in own
 

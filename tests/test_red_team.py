@@ -497,7 +497,10 @@ def test_a_job_cannot_lower_the_servers_floor_for_shared_statistics(system, tmp_
                                                        "this participant's limit of 256 ('max_batch_size' in"),
     (["rule_args.num_views=1000"], "site 'site-1'", "FedPartialExecutor rule_args.num_views = 1000 is beyond this "
                                                     "participant's limit of 8 ('max_views' in"),
-], ids=["width", "rounds", "batch", "views"])
+    # a decay that outweighs the data's gradient: each site's update known from the round-0 model
+    (["rule_args.weight_decay=1.0"], "site 'site-1'", "FedPartialExecutor rule_args.weight_decay = 1.0 is above "
+                                                      "this participant's limit of 0.01 ('max_weight_decay' in"),
+], ids=["width", "rounds", "batch", "views", "decay"])
 def test_a_job_beyond_a_participants_limits_is_refused_before_anything_is_allocated(system, tmp_path, overrides,
                                                                                    who, message):
     job = _job(tmp_path, "too_big", overrides)

@@ -8,16 +8,24 @@ from nvflare.apis.dxo import DXO, DataKind, from_shareable
 from nvflare.apis.fl_constant import FLContextKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
 
-from fedpartial.algorithms.update_mask import mask_factors, masked_diff, masked_weights
+from fedpartial.algorithms.update_mask import mask_factors, masked_diff, masked_weights, model_digest
 from fedpartial.flare.site_policy import UPDATE_MASK_FILTER, UpdateMask
 from fedpartial_tools.bench.sign_decoding import decode_two_sites
+
+
+@pytest.fixture(autouse=True)
+def _fresh_jobs():
+    """Each test's jobs are new to the filter (a real job id is unique; these tests reuse ids)."""
+    UpdateMask.first_model.clear()
+    yield
+    UpdateMask.first_model.clear()
 
 
 def test_factors_are_the_sites_own_fixed_and_centred_on_one():
     f = mask_factors(b"site-1 key", "fc.weight", (200, 50), 1.0)
     assert f.shape == (200, 50) and f.min() >= 0.0 and f.max() <= 2.0
     assert abs(f.mean() - 1.0) < 0.02 and f.std() > 0.5  # uniform on [0, 2]: std 0.577
-    np.testing.assert_array_equal(f, mask_factors(b"site-1 key", "fc.weight", (200, 50), 1.0))  # every round, job
+    np.testing.assert_array_equal(f, mask_factors(b"site-1 key", "fc.weight", (200, 50), 1.0))  # every round
     assert not np.allclose(f, mask_factors(b"site-2 key", "fc.weight", (200, 50), 1.0))  # another site's
     assert not np.allclose(f, mask_factors(b"site-1 key", "fc.bias", (200, 50), 1.0))  # another parameter's
     half = mask_factors(b"site-1 key", "fc.weight", (200, 50), 0.25)
@@ -79,7 +87,8 @@ def test_the_scope_filter_masks_against_the_model_the_task_brought_and_fails_clo
     (tmp_path / "startup" / "client.key").write_bytes(b"-----BEGIN PRIVATE KEY----- site-1")
     received = {"w": np.zeros(4, np.float32)}
     local = {"w": np.array([1.0, -1.0, 1.0, -1.0], np.float32)}
-    expected = masked_weights(received, local, (tmp_path / "startup" / "client.key").read_bytes(), 1.0)["w"]
+    expected = masked_weights(received, local, (tmp_path / "startup" / "client.key").read_bytes(), 1.0,
+                              model_digest(received))["w"]
     mask = UpdateMask(spread=1.0)
     ctx = _ctx(tmp_path, "in")
     mask.process(DXO(DataKind.WEIGHTS, data=received).to_shareable(), ctx)
@@ -104,6 +113,37 @@ def test_the_scope_filter_masks_against_the_model_the_task_brought_and_fails_clo
     for bad in ({"spread": 2}, {"spread": True}, {"key_file": ""}):
         with pytest.raises(ValueError, match="UpdateMask"):
             UpdateMask(**bad)
+
+
+def test_factors_follow_the_jobs_first_model_fixed_through_its_rounds(tmp_path):
+    """The same factors under another seed's signs show, per weight, whether two sites agree (an
+    outside attempt: 0.67 of the light site's signs from 8 seeds): a job from another round-0 model
+    gets other factors; a job from the same model, and every round of a job, the same."""
+    (tmp_path / "startup").mkdir()
+    (tmp_path / "startup" / "client.key").write_bytes(b"site-1 private key")
+    update = {"w": np.ones(1000, np.float32)}
+
+    def factors(mask, job, received):
+        ctx = _ctx(tmp_path, "in", task_id=f"{job}-{len(UpdateMask.first_model)}")
+        ctx.get_job_id = lambda: job
+        mask.process(DXO(DataKind.WEIGHTS, data=received).to_shareable(), ctx)
+        out = _ctx(tmp_path, "out", carry=ctx)
+        out.get_job_id = lambda: job
+        return from_shareable(mask.process(DXO(DataKind.WEIGHT_DIFF, data=update).to_shareable(), out)).data["w"]
+
+    seed0, seed1 = {"w": np.zeros(1000, np.float32)}, {"w": np.full(1000, 0.5, np.float32)}
+    mask = UpdateMask()
+    first = factors(mask, "job-a", seed0)
+    np.testing.assert_allclose(first, mask_factors(b"site-1 private key", "w", (1000,), 1.0, model_digest(seed0)),
+                               rtol=1e-6)
+    np.testing.assert_array_equal(factors(mask, "job-a", seed1), first)  # a later round of the same job
+    np.testing.assert_array_equal(factors(UpdateMask(), "job-b", seed0), first)  # a job from the same model
+    assert np.corrcoef(factors(mask, "job-c", seed1), first)[0, 1] < 0.1  # from another round-0 model
+    # a result of a job that brought the site no model: withheld
+    out = _ctx(tmp_path, "out")
+    out.get_job_id = lambda: "job-d"
+    assert mask.process(DXO(DataKind.WEIGHT_DIFF, data=update).to_shareable(), out).get_return_code() \
+        == ReturnCode.EMPTY_RESULT
 
 
 def test_a_site_adds_the_mask_to_its_scope_and_flare_applies_it_last(tmp_path):
@@ -140,7 +180,8 @@ def test_a_site_adds_the_mask_to_its_scope_and_flare_applies_it_last(tmp_path):
                   "train", "in")
     out = apply_filters(Scope.TASK_RESULT_FILTERS_NAME, result.to_shareable(), ctx, {}, "train", "out")
     np.testing.assert_allclose(from_shareable(out).data["w"],
-                               masked_weights(received, local, b"site-1 private key", 1.0)["w"], rtol=1e-6)
+                               masked_weights(received, local, b"site-1 private key", 1.0, model_digest(received))["w"],
+                               rtol=1e-6)
     shutil.rmtree(tmp_path / "startup")  # no key: the weights stay at the site
     ctx.set_prop(FLContextKey.TASK_ID, "t-2", private=True, sticky=False)
     apply_filters(Scope.TASK_DATA_FILTERS_NAME, DXO(DataKind.WEIGHTS, data=received).to_shareable(), ctx, {},
@@ -155,3 +196,35 @@ def test_deployment_shows_the_filter_a_site_adds():
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "DEPLOYMENT.md").read_text()
     assert json.dumps(UPDATE_MASK_FILTER) in text
+
+
+def test_the_decay_oracle_divides_the_factor_sums_out_by_hand():
+    """Two sites weighted 0.2 / 0.8, factors f1 = (0.5, 1.5, 1, 2), f2 = (1, 1, 0.5, 0.25): a decay job
+    gives w1 f1 + w2 f2 = (0.9, 1.1, 0.6, 0.6) times each round-0 weight's sign; where the data job's
+    |aggregate| reaches that sum the sites agree, below it they disagree. The last weight is misread:
+    there the light site's weighted factor (0.4) exceeds the heavy site's (0.2), so the aggregate's
+    sign is the light site's, not the heavy one's the decoder assumes."""
+    from fedpartial_tools.bench.mask_oracles import decay_oracle
+
+    theta_sign = np.array([1.0, -1.0, 1.0, -1.0])
+    decay = np.array([0.9, -1.1, 0.6, -0.6])
+    light, heavy = np.array([1.0, 1.0, -1.0, 1.0]), np.array([1.0, -1.0, -1.0, -1.0])
+    f1, f2 = np.array([0.5, 1.5, 1.0, 2.0]), np.array([1.0, 1.0, 0.5, 0.25])
+    data = 0.2 * f1 * light + 0.8 * f2 * heavy  # 0.9, -0.5, -0.6, 0.2
+    np.testing.assert_allclose(data, [0.9, -0.5, -0.6, 0.2])
+    np.testing.assert_array_equal(decay_oracle(data, decay, theta_sign), [1.0, 1.0, -1.0, -1.0])
+
+
+def test_levels_across_seeds_read_the_light_site_only_while_the_factors_stay():
+    """The same factors under other signs put |aggregate| on two levels per weight (the sites agree
+    or not); factors drawn afresh per job blur them."""
+    from fedpartial_tools.bench.mask_oracles import across_seed_levels
+
+    rng = np.random.default_rng(1)
+    jobs, size = 8, 5000
+    light, heavy = rng.choice([-1.0, 1.0], (jobs, size)), rng.choice([-1.0, 1.0], (jobs, size))
+    fixed = [rng.uniform(0, 2, size), rng.uniform(0, 2, size)]
+    same = 0.2 * fixed[0] * light + 0.8 * fixed[1] * heavy
+    fresh = 0.2 * rng.uniform(0, 2, (jobs, size)) * light + 0.8 * rng.uniform(0, 2, (jobs, size)) * heavy
+    assert np.mean(across_seed_levels(same)[1] == light) > 0.85
+    assert np.mean(across_seed_levels(fresh)[1] == light) < 0.62

@@ -3,9 +3,11 @@
 When a lead makes every site's update about ``+-k x lr`` per weight (a tiny ``lr``, or a couple of
 steps, where the gradient's sign barely changes), a weighted 2-site average takes four levels per
 weight and gives both sites' signs away. Multiplying each weight's update by a factor drawn once
-from the site's own secret, uniform in ``[1 - spread, 1 + spread]``, blurs those levels: the factors
-are the same in every round and every job (averaging rounds or jobs does not remove them) and
-differ between sites, and their mean is 1, so the update keeps its expected direction.
+from a site's own secret, uniform in ``[1 - spread, 1 + spread]``, blurs those levels: the factors
+are the same in every round of a job and in every job that starts from the same model (averaging
+rounds or such jobs does not remove them), differ between sites, and their mean is 1, so the update
+keeps its expected direction. Jobs from other round-0 models get other factors: otherwise the same
+factors under other signs (another seed's model) show, per weight, whether the sites agree.
 
 Plain numpy; :class:`fedpartial.flare.site_policy.UpdateMask` applies it as a site's scope filter.
 """
@@ -29,27 +31,40 @@ def is_masked(name: str, value: np.ndarray) -> bool:
     return np.issubdtype(np.asarray(value).dtype, np.floating) and not name.endswith(STATISTIC_SUFFIXES)
 
 
-def mask_factors(key: bytes, name: str, shape, spread: float) -> np.ndarray:
+def model_digest(weights: Mapping[str, np.ndarray]) -> bytes:
+    """SHA-256 of a state dict (names, dtypes, shapes and values, in name order): the round-0 model
+    a job's factors are tied to."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        value = np.ascontiguousarray(weights[name])
+        h.update(f"{name}|{value.dtype.str}|{value.shape}|".encode())
+        h.update(value.tobytes())
+    return h.digest()
+
+
+def mask_factors(key: bytes, name: str, shape, spread: float, start: bytes = b"") -> np.ndarray:
     """The factors of parameter ``name``: uniform in ``[1 - spread, 1 + spread]``, a function of the
-    site's ``key``, the parameter's name and its shape only.
+    site's ``key``, the parameter's name and shape, and the job's round-0 model only.
 
     Args:
         key: the site's secret (bytes).
         name: the parameter's name in the model's state dict.
         shape: the parameter's shape.
         spread: half the width of the factors' range, in [0, 1].
+        start: :func:`model_digest` of the first model the job brought the site (b"": none).
     """
     spread = float(spread)
     if not 0.0 <= spread <= 1.0:
         raise ValueError(f"update mask spread must be in [0, 1], got {spread}")
     shape = tuple(int(s) for s in shape)
-    digest = hmac.new(key, _CONTEXT + b"|" + name.encode() + b"|" + repr(shape).encode(), hashlib.sha256).digest()
+    message = _CONTEXT + b"|" + name.encode() + b"|" + repr(shape).encode() + (b"|" + start if start else b"")
+    digest = hmac.new(key, message, hashlib.sha256).digest()
     rng = np.random.default_rng(int.from_bytes(digest[:16], "little"))
     return rng.uniform(1.0 - spread, 1.0 + spread, size=shape)
 
 
 def masked_weights(received: Mapping[str, np.ndarray], local: Mapping[str, np.ndarray], key: bytes,
-                   spread: float) -> Dict[str, np.ndarray]:
+                   spread: float, start: bytes = b"") -> Dict[str, np.ndarray]:
     """``received + factors x (local - received)`` for every floating-point parameter; other
     entries (step counters, normalisation statistics: :func:`is_masked`) are sent as trained.
 
@@ -57,7 +72,7 @@ def masked_weights(received: Mapping[str, np.ndarray], local: Mapping[str, np.nd
         received: the global model the site trained from (name -> array).
         local: the site's trained model (name -> array).
         key: the site's secret.
-        spread: see :func:`mask_factors`.
+        spread, start: see :func:`mask_factors`.
 
     Raises:
         ValueError: naming a floating-point parameter missing from ``received`` or of another shape.
@@ -73,17 +88,18 @@ def masked_weights(received: Mapping[str, np.ndarray], local: Mapping[str, np.nd
                              f"the model the site received")
         base = np.asarray(received[name], dtype=np.float64)
         update = value.astype(np.float64) - base
-        out[name] = (base + mask_factors(key, name, value.shape, spread) * update).astype(value.dtype)
+        out[name] = (base + mask_factors(key, name, value.shape, spread, start) * update).astype(value.dtype)
     return out
 
 
-def masked_diff(diff: Mapping[str, np.ndarray], key: bytes, spread: float) -> Dict[str, np.ndarray]:
+def masked_diff(diff: Mapping[str, np.ndarray], key: bytes, spread: float,
+                start: bytes = b"") -> Dict[str, np.ndarray]:
     """A weight difference (``local - received``) with each parameter rescaled (:func:`is_masked`).
 
     Args:
         diff: name -> array.
         key: the site's secret.
-        spread: see :func:`mask_factors`.
+        spread, start: see :func:`mask_factors`.
     """
-    return {name: (np.asarray(v) * mask_factors(key, name, np.shape(v), spread)).astype(np.asarray(v).dtype)
+    return {name: (np.asarray(v) * mask_factors(key, name, np.shape(v), spread, start)).astype(np.asarray(v).dtype)
             if is_masked(name, v) else v for name, v in diff.items()}

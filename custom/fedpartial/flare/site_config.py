@@ -116,11 +116,18 @@ FLOORS = {
     # by +-lr, so a one-step model is its batch's gradient signs, exact even inside a 2-site average
     "min_local_steps": 2,
 }
-#: Floors that are fractions. Adam with beta2 0 divides each step by that step's gradient size,
-#: so with beta1 0 too every step is again +-lr, whatever the number of steps.
-FRACTION_FLOORS = {"min_adam_beta2": 0.9}
-#: the floors a site's own file holds (the others are the server's)
-SITE_FLOORS = ("min_count", "min_local_steps", "min_adam_beta2")
+#: Privacy bounds that are fractions (a job may only make them stricter):
+FRACTION_BOUNDS = {
+    # Adam with beta2 0 divides each step by that step's gradient size, so with beta1 0 too every
+    # step is again +-lr, whatever the number of steps
+    "min_adam_beta2": 0.9,
+    # a weight decay that outweighs the data's gradient makes every site's update -lr x sign(the
+    # round-0 weights), known to the submitter: it reads each weight's secret UpdateMask factors
+    # (an outside attempt, weight_decay 1.0) and divides them out of a later job (the shipped 5e-4)
+    "max_weight_decay": 0.01,
+}
+#: the floors and bounds a site's own file holds (the others are the server's)
+SITE_FLOORS = ("min_count", "min_local_steps", "min_adam_beta2", "max_weight_decay")
 #: Resource limits of a participant (keys of its file), checked on the job's config before anything
 #: is built; defaults for a hospital's server (16-64 GB of memory, one GPU or none).
 LIMITS = {
@@ -235,7 +242,7 @@ def site_rules(config: Optional[dict]) -> dict:
             raise ValueError(f"site configuration '{(config or {}).get('path', '?')}': {key} must be an integer "
                              f">= {lowest}, got {value!r}")
         out[key] = value
-    for key, value in FRACTION_FLOORS.items():
+    for key, value in FRACTION_BOUNDS.items():
         value = (config or {}).get(key, value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
             raise ValueError(f"site configuration '{(config or {}).get('path', '?')}': {key} must be a number in "
@@ -612,6 +619,12 @@ def check_limits(checked, rules: dict, where: str, source: str) -> None:
                                  f"below this participant's floor of {rules['min_adam_beta2']} ('min_adam_beta2' in "
                                  f"{source}) makes each step the sign of its gradient, which a 2-site average "
                                  f"does not hide")
+            decay = values.get("weight_decay")
+            if isinstance(decay, (int, float)) and not isinstance(decay, bool) and decay > rules["max_weight_decay"]:
+                raise ValueError(f"{where} refuses the job: {name} {prefix}.weight_decay = {decay} is above this "
+                                 f"participant's limit of {rules['max_weight_decay']} ('max_weight_decay' in "
+                                 f"{source}): a decay that outweighs the data's gradient makes each site's update "
+                                 f"predictable from the round-0 model")
         # last: the arguments' own limits name the argument a job overdid
         if name == "FedPartialExecutor" and isinstance(args.get("model"), dict):
             train, predict = _activations(args["model"], rule_args, where)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import fnmatch
 import numbers
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 from nvflare.apis.analytix import ANALYTIC_EVENT_TYPE, AnalyticsDataType, TrackConst
@@ -175,19 +175,26 @@ TASK_RECEIVED_WEIGHTS = "fedpartial.task_received_weights"
 
 
 class UpdateMask(Filter):
-    """Scope filter: each weight's update leaves the site rescaled by a factor drawn once from the
-    site's secret (:mod:`fedpartial.algorithms.update_mask`), the same in every round and job.
+    """Scope filter: each weight's update leaves the site rescaled by a factor drawn from the site's
+    secret and the job's first model (:mod:`fedpartial.algorithms.update_mask`): the same in every
+    round of a job and in every job from the same round-0 model.
 
     List it in BOTH chains of the scope, after the other filters: ``task_data_filters`` remembers the
-    global model a training task brought, ``task_result_filters`` sends ``received + factors x
-    (local - received)`` (a WEIGHT_DIFF result: ``factors x diff``). A result carrying weights that no
-    remembered model matches is withheld, never sent unmasked.
+    global model a training task brought (and the job's first), ``task_result_filters`` sends
+    ``received + factors x (local - received)`` (a WEIGHT_DIFF result: ``factors x diff``). A result
+    carrying weights that no remembered model matches, or of a job that brought no model, is
+    withheld, never sent unmasked.
 
     Args:
         spread: the factors are uniform in ``[1 - spread, 1 + spread]``; in [0, 1].
         key_file: the secret's file, relative to the kit's folder: by default the site's private key
             (``startup/client.key``), which never leaves the site.
     """
+
+    #: (job id, site) -> model_digest of the first model the job brought the site. Shared by the
+    #: instances of both chains (each chain builds its own); kept for the process's life, so a job
+    #: process that restarts ties its factors to the model it receives then.
+    first_model: Dict[tuple, bytes] = {}
 
     def __init__(self, spread: float = 1.0, key_file: str = "startup/client.key"):
         super().__init__()
@@ -209,9 +216,10 @@ class UpdateMask(Filter):
         return key
 
     def process(self, shareable: Shareable, fl_ctx: FLContext) -> Shareable:
-        from fedpartial.algorithms.update_mask import masked_diff, masked_weights
+        from fedpartial.algorithms.update_mask import masked_diff, masked_weights, model_digest
 
         task_id = fl_ctx.get_prop(FLContextKey.TASK_ID)
+        job = (str(fl_ctx.get_job_id()), fl_ctx.get_identity_name() or "?")
         if str(fl_ctx.get_prop(FLContextKey.FILTER_DIRECTION, "")).lower() == "in":
             try:
                 dxo = from_shareable(shareable)
@@ -220,22 +228,27 @@ class UpdateMask(Filter):
             if dxo.data_kind == DataKind.WEIGHTS and isinstance(dxo.data, dict):
                 fl_ctx.set_prop(TASK_RECEIVED_WEIGHTS, {"task_id": task_id, "weights": dict(dxo.data)},
                                 private=True, sticky=False)
+                self.first_model.setdefault(job, model_digest(dxo.data))
             return shareable
         if not shareable_carries_weights(shareable):
             return shareable
-        site = fl_ctx.get_identity_name() or "?"
+        site = job[1]
         try:
             dxo = from_shareable(shareable)
             key = self._key(fl_ctx)
+            start = self.first_model.get(job)
+            if start is None:
+                raise ValueError("the job brought this site no model to tie the factors to (is UpdateMask in "
+                                 "this scope's task_data_filters?)")
             if dxo.data_kind == DataKind.WEIGHT_DIFF:
-                dxo.data = masked_diff(dxo.data, key, self.spread)
+                dxo.data = masked_diff(dxo.data, key, self.spread, start)
             else:
                 received = fl_ctx.get_prop(TASK_RECEIVED_WEIGHTS)
                 if dxo.data_kind != DataKind.WEIGHTS or not isinstance(received, dict) \
                         or received.get("task_id") != task_id:
                     raise ValueError(f"a {dxo.data_kind} result of a task that brought no global model to mask "
                                      f"against (is UpdateMask in this scope's task_data_filters?)")
-                dxo.data = masked_weights(received["weights"], dxo.data, key, self.spread)
+                dxo.data = masked_weights(received["weights"], dxo.data, key, self.spread, start)
         except Exception as e:
             self.log_error(fl_ctx, f"site '{site}': result withheld, the update mask could not be applied: {e}")
             return make_reply(ReturnCode.EMPTY_RESULT)

@@ -262,14 +262,14 @@ class SitePolicyBuilder(Builder):
         """The ``fedpartial_site.json`` of a site (its datasets) or of the server (none), with the
         participant's floors, limits, weighting and statistics at their defaults (the server's floors
         and submission limits on sites)."""
-        from fedpartial.flare.site_config import (FLOORS, FORMAT_VERSION, FRACTION_FLOORS, LIMITS, PARTICIPANT_TABLES,
+        from fedpartial.flare.site_config import (FLOORS, FORMAT_VERSION, FRACTION_BOUNDS, LIMITS, PARTICIPANT_TABLES,
                                                   SITE_FLOORS, SUBMISSION_LIMITS)
 
         datasets = {}
         if site:
             own = participant.get_prop("datasets")
             datasets = self.datasets if own is None else self._datasets(own, f"'datasets' of {participant.name}")
-        floors = {k: v for k, v in {**FLOORS, **FRACTION_FLOORS}.items() if site == (k in SITE_FLOORS)}
+        floors = {k: v for k, v in {**FLOORS, **FRACTION_BOUNDS}.items() if site == (k in SITE_FLOORS)}
         if not site:
             floors["min_sites_per_round"] = max(FLOORS["min_sites_per_round"], num_sites) \
                 if self.min_sites_per_round == "all" else self.min_sites_per_round
