@@ -151,6 +151,10 @@ ATTACKS = [  # (name, side, change, what the refusal must name)
     ("persistor_twice", "server", lambda c: c["components"].append(
         {**next(x for x in c["components"] if x["id"] == "persistor"), "id": "persistor_2"}),
      "path 'fedpartial.flare.persistor.FedPartialPersistor' is named a second time"),
+    # two training workflows (each from its own persistor's model) would keep the sites' UpdateMask
+    # factors of the first model while the second's seed changes the signs: an outside attempt's design
+    ("workflow_twice", "server", lambda c: c["workflows"].append({**c["workflows"][0], "id": "second"}),
+     "path 'nvflare.app_common.workflows.scatter_and_gather.ScatterAndGather' is named a second time"),
     ("nested_allowed_component", "client", lambda c: c["task_result_filters"].append(
         {"tasks": ["train"], "filters": [{"path": "fedpartial.flare.filters.StatisticsPrivacyFilter", "args": {
             "preset": "fedlsm", "guards": {"path": "fedpartial.flare.filters.SendWeightDiff"}}}]}),

@@ -124,10 +124,11 @@ def test_factors_follow_the_jobs_first_model_fixed_through_its_rounds(tmp_path):
     update = {"w": np.ones(1000, np.float32)}
 
     def factors(mask, job, received):
-        ctx = _ctx(tmp_path, "in", task_id=f"{job}-{len(UpdateMask.first_model)}")
+        task = f"{job}-{len(UpdateMask.first_model)}"
+        ctx = _ctx(tmp_path, "in", task_id=task)
         ctx.get_job_id = lambda: job
         mask.process(DXO(DataKind.WEIGHTS, data=received).to_shareable(), ctx)
-        out = _ctx(tmp_path, "out", carry=ctx)
+        out = _ctx(tmp_path, "out", task_id=task, carry=ctx)
         out.get_job_id = lambda: job
         return from_shareable(mask.process(DXO(DataKind.WEIGHT_DIFF, data=update).to_shareable(), out)).data["w"]
 
@@ -144,6 +145,14 @@ def test_factors_follow_the_jobs_first_model_fixed_through_its_rounds(tmp_path):
     out.get_job_id = lambda: "job-d"
     assert mask.process(DXO(DataKind.WEIGHT_DIFF, data=update).to_shareable(), out).get_return_code() \
         == ReturnCode.EMPTY_RESULT
+    # a first task that returns no weights (a validation of model seed0) does not pick the factors:
+    # a second workflow's training from another model would otherwise reuse them under new signs
+    ctx = _ctx(tmp_path, "in", task_id="validate-1")
+    ctx.get_job_id = lambda: "job-e"
+    mask.process(DXO(DataKind.WEIGHTS, data=seed0).to_shareable(), ctx)
+    metrics = DXO(DataKind.METRICS, data={"auc": 0.7}).to_shareable()
+    assert mask.process(metrics, _ctx(tmp_path, "out", carry=ctx)) is metrics
+    np.testing.assert_array_equal(factors(mask, "job-e", seed1), factors(mask, "job-c", seed1))
 
 
 def test_a_site_adds_the_mask_to_its_scope_and_flare_applies_it_last(tmp_path):

@@ -475,7 +475,9 @@ def _component(entry, at: str, place: str, out: Checked, resolve, refuse, byoc: 
     path, cid, args = entry["path"], entry.get("id"), entry.get("args", {})
     if not place.endswith(".filters") and any(path == named for _, named, _ in out.components):
         # each is checked against the site's limits (a model built on the meta device): many of
-        # them would keep the gate busy, and no job needs one component class twice
+        # them would keep the gate busy, and no job needs one component class twice. It is a
+        # privacy rule too: a second workflow training from another persistor's model would keep
+        # the sites' UpdateMask factors of the first while changing the signs under them
         refuse(f"{at} path {_show(path)}", "is named a second time; a config names each class once")
     if ids is not None:
         why = NAME.why(cid)

@@ -176,14 +176,14 @@ TASK_RECEIVED_WEIGHTS = "fedpartial.task_received_weights"
 
 class UpdateMask(Filter):
     """Scope filter: each weight's update leaves the site rescaled by a factor drawn from the site's
-    secret and the job's first model (:mod:`fedpartial.algorithms.update_mask`): the same in every
-    round of a job and in every job from the same round-0 model.
+    secret and the model the job's first update was trained from (:mod:`fedpartial.algorithms.update_mask`):
+    the same in every round of a job and in every job from the same round-0 model.
 
     List it in BOTH chains of the scope, after the other filters: ``task_data_filters`` remembers the
-    global model a training task brought (and the job's first), ``task_result_filters`` sends
-    ``received + factors x (local - received)`` (a WEIGHT_DIFF result: ``factors x diff``). A result
-    carrying weights that no remembered model matches, or of a job that brought no model, is
-    withheld, never sent unmasked.
+    global model a training task brought, ``task_result_filters`` sends ``received + factors x
+    (local - received)`` (a WEIGHT_DIFF result: ``factors x diff``). A result carrying weights that
+    no remembered model matches, or a job's first one without its task's model, is withheld, never
+    sent unmasked.
 
     Args:
         spread: the factors are uniform in ``[1 - spread, 1 + spread]``; in [0, 1].
@@ -191,9 +191,9 @@ class UpdateMask(Filter):
             (``startup/client.key``), which never leaves the site.
     """
 
-    #: (job id, site) -> model_digest of the first model the job brought the site. Shared by the
-    #: instances of both chains (each chain builds its own); kept for the process's life, so a job
-    #: process that restarts ties its factors to the model it receives then.
+    #: (job id, site) -> model_digest of the model the job's first weights result at the site trained
+    #: from. Shared by the instances of both chains (each chain builds its own); kept for the
+    #: process's life, so a job process that restarts ties its factors to the model it trains from then.
     first_model: Dict[tuple, bytes] = {}
 
     def __init__(self, spread: float = 1.0, key_file: str = "startup/client.key"):
@@ -228,7 +228,6 @@ class UpdateMask(Filter):
             if dxo.data_kind == DataKind.WEIGHTS and isinstance(dxo.data, dict):
                 fl_ctx.set_prop(TASK_RECEIVED_WEIGHTS, {"task_id": task_id, "weights": dict(dxo.data)},
                                 private=True, sticky=False)
-                self.first_model.setdefault(job, model_digest(dxo.data))
             return shareable
         if not shareable_carries_weights(shareable):
             return shareable
@@ -236,16 +235,20 @@ class UpdateMask(Filter):
         try:
             dxo = from_shareable(shareable)
             key = self._key(fl_ctx)
-            start = self.first_model.get(job)
-            if start is None:
-                raise ValueError("the job brought this site no model to tie the factors to (is UpdateMask in "
-                                 "this scope's task_data_filters?)")
+            received = fl_ctx.get_prop(TASK_RECEIVED_WEIGHTS)
+            brought = isinstance(received, dict) and received.get("task_id") == task_id
+            if job not in self.first_model:
+                # the model the job's first weights result trained from, not the first model any task
+                # brought: a task that returns no weights cannot pick the factors of later ones
+                if not brought:
+                    raise ValueError("the job's first weights result comes from a task that brought no model to "
+                                     "tie the factors to (is UpdateMask in this scope's task_data_filters?)")
+                self.first_model[job] = model_digest(received["weights"])
+            start = self.first_model[job]
             if dxo.data_kind == DataKind.WEIGHT_DIFF:
                 dxo.data = masked_diff(dxo.data, key, self.spread, start)
             else:
-                received = fl_ctx.get_prop(TASK_RECEIVED_WEIGHTS)
-                if dxo.data_kind != DataKind.WEIGHTS or not isinstance(received, dict) \
-                        or received.get("task_id") != task_id:
+                if dxo.data_kind != DataKind.WEIGHTS or not brought:
                     raise ValueError(f"a {dxo.data_kind} result of a task that brought no global model to mask "
                                      f"against (is UpdateMask in this scope's task_data_filters?)")
                 dxo.data = masked_weights(received["weights"], dxo.data, key, self.spread, start)
