@@ -22,10 +22,11 @@ filter draws them). The truth is each site's unmasked update sign in the data jo
 from __future__ import annotations
 
 import argparse
-import os
 from typing import List, Sequence, Tuple
 
 import numpy as np
+
+from fedpartial_tools.bench.sign_decoding import attack_arguments, two_site_split
 
 FACTORS = ("fixed", "tied")
 #: FedAvg losses a job may set, each moving some gradients' signs from the same round-0 model
@@ -95,23 +96,14 @@ def _aggregate(updates: List[np.ndarray], weights: np.ndarray, steps: int) -> np
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fedpartial_tools.bench.mask_oracles",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", required=True, help="a classification .npz (split into 2 sites here)")
-    parser.add_argument("--out", required=True, help="folder for the 2 site files")
-    parser.add_argument("--lr", type=float, default=1e-5)
-    parser.add_argument("--batch-size", type=int, default=256)
+    attack_arguments(parser)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--spread", type=float, default=1.0)
     parser.add_argument("--decays", default="1.0,0.1,0.01", help="comma list of the decay job's weight_decay")
     parser.add_argument("--jobs", default="2,4,8", help="comma list of jobs (seeds) the levels attack combines")
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from fedpartial_tools.bench.sign_decoding import small_model_block
-    from fedpartial_tools.data.partition import split_file
-
-    split_file(args.data, "label-set-mismatch", 2, args.seed, args.out, classes_per_site=4)
-    files = [os.path.join(args.out, f"site-{i}.npz") for i in (1, 2)]
-    model = small_model_block(files[0])
+    files, model = two_site_split(args.data, args.out, args.seed)
     base = {"lr": args.lr, "batch_size": args.batch_size, "augmentation": "none", "local_iterations": args.steps}
 
     def read(job_seed, decay, factors, variant=None):

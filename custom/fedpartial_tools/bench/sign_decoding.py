@@ -240,25 +240,44 @@ def site_updates(site_files: Sequence[str], model: dict, rule_args: dict, seed: 
     return updates, sizes, [int(theta0[k].size) for k in keys]
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fedpartial_tools.bench.sign_decoding",
-                                     description=__doc__.split("\n\n")[0])
+def attack_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of a 2-site attack setting (:func:`two_site_split`): data, folder, lr, batch, seed."""
     parser.add_argument("--data", required=True, help="a classification .npz (split into 2 sites here)")
     parser.add_argument("--out", required=True, help="folder for the 2 site files")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def two_site_split(data: str, out: str, seed: int) -> Tuple[List[str], dict]:
+    """The attack's setting: ``data`` split into 2 sites of 4 classes each (label-set mismatch).
+
+    Args:
+        data: a classification ``.npz``.
+        out: folder for the site files.
+        seed: the split's seed.
+
+    Returns:
+        the two site files and the small CNN's model block for them.
+    """
+    from fedpartial_tools.data.partition import split_file
+
+    split_file(data, "label-set-mismatch", 2, seed, out, classes_per_site=4)
+    files = [os.path.join(out, f"site-{i}.npz") for i in (1, 2)]
+    return files, small_model_block(files[0])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fedpartial_tools.bench.sign_decoding",
+                                     description=__doc__.split("\n\n")[0])
+    attack_arguments(parser)
     parser.add_argument("--steps", default="2,10", help="comma list of local steps (0: one epoch)")
     parser.add_argument("--rho", default="0,0.5,1,2", help="comma list of site noise (x update RMS)")
     parser.add_argument("--rounds", default="1,10,100", help="comma list of rounds the lead averages")
     parser.add_argument("--mask", default="0", help="comma list of the sites' update mask spreads")
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from fedpartial_tools.data.partition import split_file
-
-    split_file(args.data, "label-set-mismatch", 2, args.seed, args.out, classes_per_site=4)
-    files = [os.path.join(args.out, f"site-{i}.npz") for i in (1, 2)]
-    model = small_model_block(files[0])
+    files, model = two_site_split(args.data, args.out, args.seed)
     rng = np.random.default_rng(args.seed)
     print("steps | rule | mask | rho | rounds | site weights | decoded site-1 / site-2 | consensus site-1 / site-2 | "
           "bound site-1 / site-2 | signs agree | concentration site-1 / site-2")
