@@ -219,7 +219,6 @@ class UpdateMask(Filter):
         from fedpartial.algorithms.update_mask import masked_diff, masked_weights, model_digest
 
         task_id = fl_ctx.get_prop(FLContextKey.TASK_ID)
-        job = (str(fl_ctx.get_job_id()), fl_ctx.get_identity_name() or "?")
         if str(fl_ctx.get_prop(FLContextKey.FILTER_DIRECTION, "")).lower() == "in":
             try:
                 dxo = from_shareable(shareable)
@@ -231,7 +230,8 @@ class UpdateMask(Filter):
             return shareable
         if not shareable_carries_weights(shareable):
             return shareable
-        site = job[1]
+        site = fl_ctx.get_identity_name() or "?"
+        job = (str(fl_ctx.get_job_id()), site)
         try:
             dxo = from_shareable(shareable)
             key = self._key(fl_ctx)

@@ -70,17 +70,11 @@ def decay_oracle(data: np.ndarray, decay: np.ndarray, theta_sign: np.ndarray, th
 
 def _job(files: Sequence[str], model: dict, rule_args: dict, seed: int, spread: float, factors: str):
     """Both sites' masked and unmasked updates of one job: ``(masked, plain, weights, theta_sign)``."""
-    import torch
-
     from fedpartial.algorithms.update_mask import masked_diff, model_digest
-    from fedpartial.flare.common import build_model_from_settings, model_settings
-    from fedpartial.training.common import state_dict_numpy
-    from fedpartial_tools.bench.sign_decoding import site_updates
+    from fedpartial_tools.bench.sign_decoding import round0_weights, site_updates
 
     updates, sizes, _ = site_updates(files, model, rule_args, seed)
-    torch.manual_seed(seed)
-    theta0 = state_dict_numpy(build_model_from_settings(model_settings(model)))
-    names = [k for k, t in theta0.items() if np.issubdtype(t.dtype, np.floating) and "running" not in k]
+    theta0, names = round0_weights(model, seed)
     start = model_digest(theta0) if factors == "tied" else b""
     masked = [masked_diff({"update": u}, f"site-{i + 1}".encode(), spread, start)["update"] if spread else u
               for i, u in enumerate(updates)]

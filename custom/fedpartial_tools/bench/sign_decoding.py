@@ -203,6 +203,24 @@ def fedavg_sites(site_files: Sequence[str], settings: dict, rule_args: dict, see
     return sites
 
 
+def round0_weights(model: dict, seed: int) -> Tuple[Dict[str, np.ndarray], List[str]]:
+    """The seeded round-0 model a job's sites train from, and the names of its trained weights
+    (floating-point, not normalisation statistics).
+
+    Args:
+        model: the job's model block.
+        seed: the job's seed.
+    """
+    import torch
+
+    from fedpartial.flare.common import build_model_from_settings, model_settings
+    from fedpartial.training.common import state_dict_numpy
+
+    torch.manual_seed(seed)
+    theta0 = state_dict_numpy(build_model_from_settings(model_settings(model)))
+    return theta0, [k for k, t in theta0.items() if np.issubdtype(t.dtype, np.floating) and "running" not in k]
+
+
 def site_updates(site_files: Sequence[str], model: dict, rule_args: dict, seed: int = 0
                  ) -> Tuple[List[np.ndarray], List[int], List[int]]:
     """Each site's round-0 FedAvg update from the same seeded initial model, in units of lr.
@@ -217,16 +235,12 @@ def site_updates(site_files: Sequence[str], model: dict, rule_args: dict, seed: 
         (updates, train sizes, tensor sizes): each update (theta0 - local) / lr flattened over the
         floating-point parameters (no running statistics), the sites' sample counts.
     """
-    import torch
-
     from fedpartial.algorithms.base import RoundInput
     from fedpartial.flare.common import build_model_from_settings, model_settings
     from fedpartial.training.common import load_state_numpy, state_dict_numpy
 
     settings = model_settings(model)
-    torch.manual_seed(seed)
-    theta0 = state_dict_numpy(build_model_from_settings(settings))
-    keys = [k for k, t in theta0.items() if np.issubdtype(t.dtype, np.floating) and "running" not in k]
+    theta0, keys = round0_weights(model, seed)
     lr = float(rule_args["lr"])
     updates, sizes = [], []
     with tempfile.TemporaryDirectory() as state_root:
