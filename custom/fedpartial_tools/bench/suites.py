@@ -136,8 +136,9 @@ _FEDIRM_SUSPECTS = {"fedirm_relation_w0": ["rule_args.relation_weight=0.0"],
                     # no unlabelled loss teaches classes: self-training on the reliable pseudo labels
                     "fedirm_pseudo": ["rule_args.pseudo_label_weight=1.0"],
                     "fedirm_pseudo_balanced": ["rule_args.pseudo_label_weight=1.0", "rule_args.pseudo_label_balance=true"],
-                    # too few rounds with the unlabelled sites (they join at 20 of 30)
-                    "fedirm_join10": ["rule_args.unlabelled_start_round=10"]}
+                    # too few rounds with the unlabelled sites (they join at 20 of 30); 0 is the paper's
+                    "fedirm_join10": ["rule_args.unlabelled_start_round=10"],
+                    "fedirm_join0": ["rule_args.unlabelled_start_round=0"]}
 # FedIRM's rows also score best_global_model.pt ("_best"): with the unlabelled sites the validation
 # AUC rises where the last aggregate's test AUC need not, and the two models tell that apart
 _FEDIRM_METRICS = ["auc", "accuracy", "f1", "bacc", "auc_best", "f1_best"]
