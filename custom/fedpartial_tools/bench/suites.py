@@ -329,7 +329,11 @@ def _ms6_suite(patient: int, completeness: Sequence[float], rater2_sites: Sequen
     return Suite("ms6_flair_agreed.npz", "incomplete-masks", {"completeness": list(completeness)}, 4,
                  "fedia_lesions", "fedavg_seg_lesions", "fedavg_seg_full_lesions", holdout_patient=patient,
                  metrics=list(_MS6_METRICS),
-                 variants={"fedia_lesions_paper": ["rule_args.use_correction=true"] + _FEDIA_PAPER_WEIGHTING},
+                 # the profile's departures from the paper, each put back on the sites' own val: the
+                 # whole-lesion correction, the paper's weighting, both
+                 variants={"fedia_lesions_correction": ["rule_args.use_correction=true"],
+                           "fedia_lesions_paper_weighting": list(_FEDIA_PAPER_WEIGHTING),
+                           "fedia_lesions_paper": ["rule_args.use_correction=true"] + _FEDIA_PAPER_WEIGHTING},
                  combine=MS6_SOURCES, agreement=MS6_AGREEMENT, val_fraction=MS6_VAL_FRACTION,
                  rater2_sites=tuple(rater2_sites), cpu_departures=dict(_MS6_DEPARTURES))
 
