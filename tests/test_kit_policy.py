@@ -29,7 +29,7 @@ from nvflare.security.security import FLAuthorizer
 from fedpartial.flare.allowed import CLASS_ALLOW_LIST
 from fedpartial.flare.site_policy import UPDATE_MASK_FILTER
 from fedpartial_tools.deploy import provision
-from fedpartial_tools.deploy.builders import JOB_LOG_STREAMER, SitePolicyBuilder
+from fedpartial_tools.deploy.builders import JOB_LOG_STREAMER, SCHEDULE_TRIES, SITE_RESOURCES, SitePolicyBuilder
 
 REPO = Path(__file__).resolve().parents[1]
 SITE_ORGS = {"site-1": "hospital_a", "site-2": "hospital_b"}  # localhost_project's orgs
@@ -145,10 +145,15 @@ def test_job_logs_stay_at_the_site(prod):
         written, default = _json(local / "resources.json"), _json(local / "resources.json.default")
         assert default["allow_log_streaming"] is True and written["allow_log_streaming"] is False
         assert "nvflare.app_common.logging.site_log_streamer.SiteLogStreamer" in paths(default)
-        assert paths(written) == [p for p in paths(default) if not p.endswith(".SiteLogStreamer")] and \
-            len(paths(written)) == 3
+        # FLARE's GPU manager and consumer swapped for the site's, which also counts its jobs
+        assert paths(written) == [SITE_RESOURCES.get(p, p) for p in paths(default)
+                                  if not p.endswith(".SiteLogStreamer")] and len(paths(written)) == 3
+        assert {"fedpartial.flare.site_resources.SiteResourceManager",
+                "fedpartial.flare.site_resources.SiteResourceConsumer"} <= set(paths(written))
     # nor does the server keep a receiver for logs of sites whose kit still streams
     local = prod / "localhost" / "local"
+    scheduler = [c for c in _json(local / "resources.json")["components"] if c["id"] == "job_scheduler"]
+    assert scheduler[0]["args"] == {"max_jobs": 4, "max_schedule_count": SCHEDULE_TRIES}  # a queued job waits days
     assert REFUSED[1] in paths(_json(local / "resources.json.default"))  # FLARE's JobLogReceiver
     assert not [p for p in paths(_json(local / "resources.json")) if "logging" in p]
 
@@ -198,12 +203,15 @@ def test_log_streaming_and_prefixes_are_explicit_opt_ins(prod):
     server_default = _json(prod / "localhost" / "local" / "resources.json.default")
     builder = SitePolicyBuilder(allow_log_streaming=True, class_prefixes=["fedpartial.flare."])
     site = builder.resources(site_default, site=True)
-    assert site["allow_log_streaming"] is True and site["components"] == site_default["components"]
+    assert site["allow_log_streaming"] is True and site["components"] == [
+        dict(c, path=SITE_RESOURCES.get(c["path"], c["path"])) for c in site_default["components"]]
     # the job log streamer the site's streamer adds to every job must pass the site's allow-list
     assert site["class_allow_list"] == list(CLASS_ALLOW_LIST) + ["fedpartial.flare.", JOB_LOG_STREAMER]
     server = builder.resources(server_default, site=False)
-    # the server adds only its check of a job's meta at submission
-    assert server["components"] == server_default["components"] + [
+    # the server adds only its check of a job's meta at submission, and queues a job for days
+    assert server["components"] == [
+        dict(c, args={**c["args"], "max_schedule_count": SCHEDULE_TRIES}) if c["id"] == "job_scheduler" else c
+        for c in server_default["components"]] + [
         {"id": "submission_gate", "path": "fedpartial.flare.job_gate.SubmissionGate", "args": {}}]
     assert server["class_allow_list"] == list(CLASS_ALLOW_LIST) + ["fedpartial.flare."]
     for bad, match in [({"class_allow_list": ["fedpartial."]}, "class_allow_list entry 'fedpartial.' must be an "

@@ -11,6 +11,7 @@ rehearsal of docs/DEPLOYMENT.md §2.4.
 One system per module; the finalizer kills every process it started, even on failure.
 """
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -380,6 +381,31 @@ def test_a_local_model_of_one_optimizer_step_is_withheld(system, tmp_path):
                for s in SITES), logs
     rounds = json.loads(Path(result["metrics"]).read_text())["rounds"] if result["metrics"] else []
     assert not rounds, rounds
+
+
+@pytest.mark.slow
+def test_a_site_runs_one_job_at_a_time_and_the_next_waits_in_the_queue(system, tmp_path):
+    """Every limit is per job, and the server starts up to 4 jobs at once: an outside attempt ran 4
+    jobs at each site together, 4 times what one job may ask of its memory. A site's resource
+    manager holds it to its max_concurrent_jobs (1): the second job waits SUBMITTED until the
+    first has ended at the sites, then runs and completes."""
+    first, second = _job(tmp_path, "first", ["num_rounds=3"]), _job(tmp_path, "second")
+    session = admin.new_admin_session(system["kits"]["lead"], timeout=30)
+    try:
+        ids = [session.submit_job(str(first)), session.submit_job(str(second))]
+        seen, deadline = set(), time.time() + 300
+        while time.time() < deadline:
+            status = tuple(session.get_job_meta(i)["status"] for i in ids)
+            seen.add(status)
+            if all(s.startswith("FINISHED") for s in status):
+                break
+            time.sleep(0.5)
+    finally:
+        session.close()
+    assert ("RUNNING", "SUBMITTED") in seen and ("RUNNING", "RUNNING") not in seen, seen
+    assert status == ("FINISHED:COMPLETED", "FINISHED:COMPLETED"), status
+    site_log = (system["prod"] / "site-1" / "log.txt").read_text(errors="replace")
+    assert "not starting another job: this site runs 1 of its 1 ('max_concurrent_jobs')" in site_log
 
 
 # ---- values: a job is data each participant checks against the schema and its own limits ----------

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 from nvflare.apis.fl_context import FLContext
 
@@ -272,5 +273,14 @@ def test_a_provisioned_site_keeps_the_resize_cache_in_its_workspace(tmp_path, si
     model = dict(MODEL, input_size=[12, 12])  # the files hold 16 x 16: a resized copy is made
     ex, _ = _setup(kit, monkeypatch, model=model, dataset="big", runtime_version=runtime_identity())
     assert ex.data.splits["train"].images.shape[1:3] == (12, 12)
-    assert list((kit / "fedpartial_cache" / "big" / SITE).glob("train_images_12x12.npy"))
+    cache = kit / "fedpartial_cache" / "big" / SITE
+    assert list(cache.glob("train_images_12x12.npy"))
     assert not (folder / SITE / "cache").exists()  # nothing written into the offered data folder
+    # a job at another size replaces the copy rather than adding one (an outside attempt's disk
+    # growth: a copy of the folder per input size, job after job)
+    kept = np.load(cache / "train_images_12x12.npy", mmap_mode="r")  # a job still reading it
+    ex, _ = _setup(kit, monkeypatch, model=dict(MODEL, input_size=[8, 8]), dataset="big",
+                   runtime_version=runtime_identity())
+    assert sorted(p.name for p in cache.iterdir() if "12x12" in p.name) == []
+    assert {p.name for p in cache.iterdir()} >= {"train_images_8x8.npy", "train_images_8x8.json"}
+    assert kept.shape[1:3] == (12, 12) and float(np.asarray(kept).mean()) >= 0  # its map still reads

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -435,7 +436,8 @@ def _cached_array(source_file: str, cache_file: str, build, shape: Tuple[int, ..
 
 
 def cached_resize(dataset: Dataset, size: Sequence[int], folder: Optional[str] = None,
-                  chunk_rows: int = CHUNK_ROWS, cache_dir: Optional[str] = None) -> Dataset:
+                  chunk_rows: int = CHUNK_ROWS, cache_dir: Optional[str] = None,
+                  keep_one_size: bool = False) -> Dataset:
     """Resize a site folder's images (bilinear, antialiased) and segmentation masks (nearest) to
     ``size`` chunk by chunk into ``<folder>/cache/<split>_images_<H>x<W>.npy`` (and
     ``<split>_labels_<H>x<W>.npy``), each with a json stamp of its source's mtime and size: the
@@ -449,6 +451,9 @@ def cached_resize(dataset: Dataset, size: Sequence[int], folder: Optional[str] =
         chunk_rows: images resized at a time (bounds the memory used).
         cache_dir: where the copies go (default ``<folder>/cache``); a provisioned site keeps them
             in its own workspace, so a job writes nothing into the data folder it reads.
+        keep_one_size: remove the copies of other sizes from ``cache_dir`` (a provisioned site: a
+            job per input size would otherwise add a copy of the folder each; a job still reading
+            a removed copy keeps its memory map, the file goes when it closes).
     """
     from fedpartial.data.transforms import resize_dataset
 
@@ -482,4 +487,9 @@ def cached_resize(dataset: Dataset, size: Sequence[int], folder: Optional[str] =
                                    lambda out, s=split: chunks(out, s, pick_labels=True),
                                    (len(images), *size), split.labels.dtype)
         splits[name] = Split(resized, labels, split.label_mask, split.ids, split.groups)
+    if keep_one_size and os.path.isdir(cache):
+        for entry in os.listdir(cache):
+            match = re.fullmatch(r"\w+_(?:images|labels)_(\d+x\d+)\.(?:npy|json)", entry)
+            if match and match.group(1) != tag:
+                os.remove(os.path.join(cache, entry))
     return Dataset(dataset.task, list(dataset.class_names), splits, dataset.source, dataset.site, dict(dataset.info))

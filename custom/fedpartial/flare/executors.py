@@ -112,7 +112,7 @@ def load_site_dataset(path: str, site: str, settings: dict, cache_dir: str = "",
                       f"site '{site}'", path)
     # a folder may not fit in memory: resize it once into a memory-mapped cache
     if is_site_folder(path):
-        return cached_resize(data, size, path, cache_dir=cache_dir or None)
+        return cached_resize(data, size, path, cache_dir=cache_dir or None, keep_one_size=provisioned)
     return resize_dataset(data, size)
 
 

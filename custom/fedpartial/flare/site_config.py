@@ -151,6 +151,9 @@ LIMITS = {
     # hours a site gives one job, from its first training task: within the other limits a job can
     # still ask for days a round on a CPU, and a train_timeout of 0 never ends it
     "max_job_hours": 72,
+    # jobs a site runs at once (fedpartial.flare.site_resources): every limit above is per job, and
+    # the server starts up to 4 at once; a further job waits in the server's queue
+    "max_concurrent_jobs": 1,
 }
 #: What a server's kit takes of a submitted job before FLARE reads any of it (keys of its file):
 #: FLARE unpacks and parses an upload in the server's own process, so a small DEFLATE upload of

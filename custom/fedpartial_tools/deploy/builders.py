@@ -9,6 +9,8 @@ from the *installed* fedpartial runtime without trusting code that travels with 
   (:class:`fedpartial.flare.job_gate.JobGate`) as its ``app_validator``, which checks every job
   against the schema and the participant's limits when it is deployed; live log streaming off: a
   site gets ``allow_log_streaming: false`` and no ``SiteLogStreamer``, the server no ``JobLogReceiver``;
+  a site's resource manager and consumer are :mod:`fedpartial.flare.site_resources`' (FLARE's GPU
+  accounting, at most ``max_concurrent_jobs`` jobs at once);
 * ``local/authorization.json``: FLARE's ``authorization.json.default`` with the ``byoc`` right
   taken from every role (unless ``allow_byoc``), so a job that carries code in ``app/custom`` is
   refused, and shell commands (``ls``, ``cat``, ``grep`` ...) and a job's error lines
@@ -37,6 +39,17 @@ from nvflare.lighter.constants import ProvFileName
 from nvflare.lighter.spec import Builder, Project, ProvisionContext
 
 RESOURCES_JSON = "resources.json"
+#: the server's tries at starting a queued job (FLARE's scheduler waits 10, 20, 40 ... at most 600 s
+#: between them, then ends the job FINISHED:CANT_SCHEDULE): about two days for a site running
+#: its max_concurrent_jobs or a site offline
+SCHEDULE_TRIES = 300
+#: a site kit's resource manager and consumer (FLARE's default's paths -> fedpartial's)
+SITE_RESOURCES = {
+    "nvflare.app_common.resource_managers.gpu_resource_manager.GPUResourceManager":
+        "fedpartial.flare.site_resources.SiteResourceManager",
+    "nvflare.app_common.resource_consumers.gpu_resource_consumer.GPUResourceConsumer":
+        "fedpartial.flare.site_resources.SiteResourceConsumer",
+}
 AUTHORIZATION_JSON = "authorization.json"
 PRIVACY_JSON = "privacy.json"
 SITE_CONFIG = "fedpartial_site.json"
@@ -292,6 +305,13 @@ class SitePolicyBuilder(Builder):
 
         out = with_class_allow_list(default, self.allow_list(site))
         out[APP_VALIDATOR] = {"path": GATE_PATH, "args": {"side": "client" if site else "server"}}
+        if site:  # FLARE's GPU accounting, plus a count of the jobs the site runs at once
+            out["components"] = [dict(c, path=SITE_RESOURCES.get(c.get("path"), c.get("path")))
+                                 if isinstance(c, dict) else c for c in out.get("components", [])]
+        else:  # a job waiting for a busy site stays queued for days, not FLARE's 10 tries (50 minutes)
+            out["components"] = [dict(c, args={**c.get("args", {}), "max_schedule_count": SCHEDULE_TRIES})
+                                 if isinstance(c, dict) and c.get("id") == "job_scheduler" else c
+                                 for c in out.get("components", [])]
         if not site:  # the job's meta, checked at submission, before FLARE stores or deploys the job
             out = without_components(out, [SUBMISSION_GATE_PATH])
             out["components"].append({"id": "submission_gate", "path": SUBMISSION_GATE_PATH, "args": {}})
