@@ -24,29 +24,40 @@ def _site_file(root, **values):
     (root / "local" / "fedpartial_site.json").write_text(json.dumps({"format_version": 1, "datasets": {}, **values}))
 
 
+def _start(manager, ctx=None) -> dict:
+    """What FLARE does for a job the site has room for: check (reserve), then allocate at its start."""
+    ok, token = manager.check_resources({}, ctx)
+    assert ok
+    return manager.allocate_resources({}, token, ctx)
+
+
 def test_a_site_starts_no_more_jobs_than_its_slots_and_frees_each_slot_once():
     manager = SiteResourceManager(max_concurrent_jobs=2)
-    first, second, third = (manager.check_resources({}, None) for _ in range(3))
-    assert first[0] and second[0] and third == (False, "")  # two reserved, the third job waits
-    manager.cancel_resources({}, second[1], None)              # the scheduler gave the second up
-    assert manager.jobs_held == 1
-    again = manager.check_resources({}, None)
-    assert again[0] and not manager.check_resources({}, None)[0]
-    record = manager.allocate_resources({}, first[1], None)    # the first job starts
-    assert record == {JOB_SLOT: 1}  # not empty, so FLARE frees it when the job ends
-    assert manager.jobs_held == 2
-    manager.free_resources(record, first[1], None)             # ... and ends
+    # a job checked but never started (its deployment failed: FLARE neither allocates nor cancels,
+    # the reservation only expires) holds no slot
+    assert manager.check_resources({}, None)[0] and manager.jobs_held == 0
+    first = _start(manager)
+    assert first == {JOB_SLOT: 1}  # not empty, so FLARE frees it when the job ends
+    second = _start(manager)
+    assert manager.jobs_held == 2 and manager.check_resources({}, None) == (False, "")  # the third waits
+    manager.free_resources(first, "", None)  # the first job ends
     assert manager.jobs_held == 1 and manager.check_resources({}, None)[0]
-    manager.cancel_resources({}, "no such token", None)        # nothing it holds
-    assert manager.jobs_held == 2
+    ok, token = manager.check_resources({}, None)
+    manager.cancel_resources({}, token, None)  # the scheduler gave a reservation up: nothing held changes
+    manager.free_resources({}, "", None)       # a record without a slot frees none
+    assert manager.jobs_held == 1
+    manager.free_resources(second, "", None)
+    assert manager.jobs_held == 0
 
 
 def test_the_count_comes_from_the_site_file_at_every_check(tmp_path):
     _site_file(tmp_path, max_concurrent_jobs=2)
     manager, ctx = SiteResourceManager(), _ctx(tmp_path)
-    assert [manager.check_resources({}, ctx)[0] for _ in range(3)] == [True, True, False]
+    _start(manager, ctx), _start(manager, ctx)
+    assert not manager.check_resources({}, ctx)[0]
     _site_file(tmp_path, max_concurrent_jobs=3)  # the site raises it; no restart
-    assert manager.check_resources({}, ctx)[0] and not manager.check_resources({}, ctx)[0]
+    _start(manager, ctx)
+    assert not manager.check_resources({}, ctx)[0]
     assert manager.report_resources(ctx)["max_concurrent_jobs"] == 3
     _site_file(tmp_path, max_concurrent_jobs=0)
     with pytest.raises(ValueError, match=r"fedpartial_site.json'?: max_concurrent_jobs must be an integer >= 1"):
@@ -57,7 +68,8 @@ def test_the_count_comes_from_the_site_file_at_every_check(tmp_path):
 
 def test_the_default_is_one_job_at_a_time_without_a_site_file(tmp_path):
     manager = SiteResourceManager()
-    assert manager.check_resources({}, _ctx(tmp_path))[0] and not manager.check_resources({}, _ctx(tmp_path))[0]
+    _start(manager, _ctx(tmp_path))
+    assert not manager.check_resources({}, _ctx(tmp_path))[0]
 
 
 def test_gpus_are_counted_as_flares_manager_counts_them(monkeypatch):

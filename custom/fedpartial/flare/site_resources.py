@@ -7,7 +7,8 @@ times a site's memory. FLARE's scheduler asks each site's resource manager befor
 a site that has its jobs answers "not enough resources", and the job waits in the server's queue
 (``SUBMITTED``) until the site has finished one, as a job asking for a busy GPU does. The count
 lives here because FLARE frees a job's resources only when their record is not empty: every job's
-record holds a slot (:data:`JOB_SLOT`) beside its GPUs.
+record holds a slot (:data:`JOB_SLOT`) beside its GPUs. A slot is taken when the job starts, not when
+the scheduler asks: FLARE's server deploys and starts one job before it asks for the next.
 """
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ class SiteResourceManager(GPUResourceManager):
             raise ValueError(f"SiteResourceManager max_concurrent_jobs must be an integer >= 1, got "
                              f"{max_concurrent_jobs!r}")
         self.max_concurrent_jobs = max_concurrent_jobs
-        self.jobs_held = 0  # reserved or running
+        # running jobs only: FLARE's server starts one job at a time, and a job it failed to deploy
+        # never frees its reservation (it only expires), which must not hold the site
+        self.jobs_held = 0
         self._limit = max_concurrent_jobs or 1
 
     def check_resources(self, resource_requirement: dict, fl_ctx: FLContext):
@@ -57,15 +60,22 @@ class SiteResourceManager(GPUResourceManager):
         return self.jobs_held < self._limit and super()._check_required_resource_available(resource_requirement)
 
     def _reserve_resource(self, resource_requirement: dict) -> dict:
-        reserved = super()._reserve_resource(resource_requirement)
-        self.jobs_held += 1
-        return {**reserved, JOB_SLOT: 1}
+        return {**super()._reserve_resource(resource_requirement), JOB_SLOT: 1}
+
+    def allocate_resources(self, resource_requirement: dict, token: str, fl_ctx: FLContext) -> dict:
+        record = super().allocate_resources(resource_requirement, token, fl_ctx)
+        with self._lock:
+            self.jobs_held += 1
+        return record
+
+    def free_resources(self, resources: dict, token: str, fl_ctx: FLContext):
+        super().free_resources(resources, token, fl_ctx)
+        if resources.get(JOB_SLOT):
+            with self._lock:
+                self.jobs_held = max(0, self.jobs_held - 1)
 
     def _deallocate(self, resources: dict):
-        gpus = dict(resources)
-        if gpus.pop(JOB_SLOT, None):
-            self.jobs_held = max(0, self.jobs_held - 1)
-        super()._deallocate(gpus)
+        super()._deallocate({k: v for k, v in resources.items() if k != JOB_SLOT})
 
     def _resource_to_dict(self) -> dict:
         return {**super()._resource_to_dict(), "jobs_held": self.jobs_held, "max_concurrent_jobs": self._limit}
