@@ -117,20 +117,25 @@ def test_site_policy_allows_fedpartial_classes_and_no_byoc(tmp_path):
     privacy.write_text(json.dumps({"scopes": [{"name": "public", "task_result_filters": []}],
                                    "default_scope": "public"}))
     from fedpartial.flare.allowed import CLASS_ALLOW_LIST
+    from fedpartial_tools.deploy.builders import SCHEDULE_TRIES, SITE_RESOURCES
 
     prod = _provision(tmp_path, allow_byoc=False, privacy_file=str(privacy))
     for kit in ("localhost", "site-1", "site-2"):
         local = prod / kit / "local"
         default = json.loads((local / "resources.json.default").read_text())
         written = json.loads((local / "resources.json").read_text())
-        # the runtime's exact list instead of FLARE's; the log streamer / receiver gone; everything else
-        # (resource manager, job store) unchanged
+        # the runtime's exact list instead of FLARE's; the log streamer / receiver gone; a site's resource
+        # manager and consumer fedpartial's (jobs counted), the server's scheduler trying for days;
+        # everything else (job store) unchanged
         assert written["class_allow_list"] == list(CLASS_ALLOW_LIST) and len(default["class_allow_list"]) == 88
         dropped = "site_log_streamer" if kit.startswith("site") else "log_receiver"
         # the server adds its check of a job's meta at submission
         added = [] if kit.startswith("site") else [{"id": "submission_gate", "args": {},
                                                     "path": "fedpartial.flare.job_gate.SubmissionGate"}]
-        assert [c for c in written["components"]] == [c for c in default["components"] if c["id"] != dropped] + added
+        expected = [dict(c, path=SITE_RESOURCES.get(c["path"], c["path"])) if kit.startswith("site") else
+                    dict(c, args={**c["args"], "max_schedule_count": SCHEDULE_TRIES}) if c["id"] == "job_scheduler"
+                    else c for c in default["components"] if c["id"] != dropped]
+        assert [c for c in written["components"]] == expected + added
         # the job gate checks every job deployed here against the schema and the kit's limits
         side = "server" if kit == "localhost" else "client"
         assert written["app_validator"] == {"path": "fedpartial.flare.job_gate.JobGate", "args": {"side": side}}

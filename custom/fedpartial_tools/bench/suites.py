@@ -34,8 +34,7 @@ class Suite:
     others: List[str] = field(default_factory=list)
     metrics: List[str] = field(default_factory=lambda: ["auc", "f1", "accuracy", "bacc", "map"])
     overrides: Dict[str, List[str]] = field(default_factory=dict)  # profile -> --set items
-    # profile -> --set items of the method job and its variants only (a setting the baselines lack,
-    # e.g. FedIA's warm-up length)
+    # profile -> --set items of the method job and its variants only (e.g. FedIA's warm-up length)
     method_overrides: Dict[str, List[str]] = field(default_factory=dict)
     # Ablations: label -> extra --set items of the method job, run and reported as a job of their own.
     variants: Dict[str, List[str]] = field(default_factory=dict)
@@ -45,14 +44,12 @@ class Suite:
     compute_matched: Dict[str, str] = field(default_factory=dict)
     # profile -> another file of the same data (e.g. the GPU profile's larger images)
     datasets: Dict[str, str] = field(default_factory=dict)
-    # a function of fedpartial_tools.data.synthetic that makes ``dataset`` (seed 0) when the data folder
-    # lacks it: written once into <out>/_data
+    # a fedpartial_tools.data.synthetic function making ``dataset`` (seed 0) into <out>/_data when absent
     generator: str = ""
     # CPU-profile settings that differ from the method job as shipped, each with the reason (every
     # other CPU-profile setting is already the job's default: the shipped jobs reproduce the tables)
     cpu_departures: Dict[str, str] = field(default_factory=dict)
-    # a function of fedpartial_tools.data.synthetic that turns the test images into a shifted test set
-    # (another acquisition); each metric is reported again as "<metric>_shift"
+    # a fedpartial_tools.data.synthetic function shifting the test images (another acquisition): "<metric>_shift"
     shifted_test: str = ""
     # leave-one-patient-out: this patient id of the dataset's train split is the test split, the
     # other patients' slices are shared out among the sites (made once into <out>/_data)
@@ -136,7 +133,7 @@ _FEDIRM_SUSPECTS = {"fedirm_relation_w0": ["rule_args.relation_weight=0.0"],
                     # no unlabelled loss teaches classes: self-training on the reliable pseudo labels
                     "fedirm_pseudo": ["rule_args.pseudo_label_weight=1.0"],
                     "fedirm_pseudo_balanced": ["rule_args.pseudo_label_weight=1.0", "rule_args.pseudo_label_balance=true"],
-                    # too few rounds with the unlabelled sites (they join at 20 of 30); 0 is the paper's
+                    # unlabelled sites join at 20 of 30; 0 is the paper's
                     "fedirm_join10": ["rule_args.unlabelled_start_round=10"],
                     "fedirm_join0": ["rule_args.unlabelled_start_round=0"]}
 # FedIRM's rows also score best_global_model.pt ("_best"): with the unlabelled sites the validation
@@ -329,8 +326,7 @@ def _ms6_suite(patient: int, completeness: Sequence[float], rater2_sites: Sequen
     return Suite("ms6_flair_agreed.npz", "incomplete-masks", {"completeness": list(completeness)}, 4,
                  "fedia_lesions", "fedavg_seg_lesions", "fedavg_seg_full_lesions", holdout_patient=patient,
                  metrics=list(_MS6_METRICS),
-                 # the profile's departures from the paper, each put back on the sites' own val: the
-                 # whole-lesion correction, the paper's weighting, both
+                 # the profile's departures from the paper put back: correction, weighting, both
                  variants={"fedia_lesions_correction": ["rule_args.use_correction=true"],
                            "fedia_lesions_paper_weighting": list(_FEDIA_PAPER_WEIGHTING),
                            "fedia_lesions_paper": ["rule_args.use_correction=true"] + _FEDIA_PAPER_WEIGHTING},
@@ -408,16 +404,15 @@ def matched_sets(suite: "Suite", job: str, sets: Sequence[str] = ()) -> List[str
                                  folders.find_job(suite.job_folder(job)), sets, compute=job in suite.compute_matched)
 
 
-# Small sparse lesions: MS-like slices made by fedpartial_tools.data.synthetic (128 px native,
-# lesions 2-12 px across, 0.2 % of the pixels, 6 of 10 slices empty), the FedIA paper's site
-# completeness, training at native resolution. lesions-m*: the paper's plain Dice loss and uniform
-# batches for every job; lesions-dicece-m*: Dice + cross-entropy and half of each batch from
-# slices with a lesion, for every job (a setting of the segmentation path, not of one method).
-# lr 1e-2: at 1e-3 the 450 local steps of 30 rounds leave every job predicting no lesion at all
-# (pooled Dice 0 for fedavg_seg_full, seed 0); at 1e-2 the full-label model reaches 0.92. Even so
-# no job marks a lesion before round ~13, so FedIA's warm-up (paper: 10 MS / 40 lung; a property
-# of the learning curve) is 20 of 40 rounds: after 10 the warm-up model predicts no lesion and the
-# completeness estimate has nothing to count.
+# Small sparse lesions: MS-like slices made by fedpartial_tools.data.synthetic (128 px native, lesions
+# 2-12 px across, 0.2 % of the pixels, 6 of 10 slices empty), the FedIA paper's site completeness,
+# training at native resolution. lesions-m*: the paper's plain Dice loss and uniform batches for every
+# job; lesions-dicece-m*: Dice + cross-entropy and half of each batch from slices with a lesion, for
+# every job (a setting of the segmentation path, not of one method). lr 1e-2: at 1e-3 the 450 local
+# steps of 30 rounds leave every job predicting no lesion (pooled Dice 0 for fedavg_seg_full, seed 0);
+# at 1e-2 the full-label model reaches 0.92. Even so no job marks a lesion before round ~13, so FedIA's
+# warm-up (paper: 10 MS / 40 lung; a property of the learning curve) is 20 of 40 rounds: after 10 the
+# warm-up model predicts no lesion and the completeness estimate has nothing to count.
 _LESION_CPU = ["num_rounds=40", "model.input_size=[128,128]", "rule_args.lr=0.01"]
 _LESION_WARMUP = ["rule_args.warmup_rounds=20"]
 _LESION_CE = ["rule_args.loss=dice_ce", "rule_args.lesion_fraction=0.5"]
