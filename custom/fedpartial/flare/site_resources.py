@@ -18,7 +18,7 @@ from nvflare.apis.fl_context import FLContext
 from nvflare.app_common.resource_consumers.gpu_resource_consumer import GPUResourceConsumer
 from nvflare.app_common.resource_managers.gpu_resource_manager import GPUResourceManager
 
-from fedpartial.flare.site_config import participant_config, site_rules
+from fedpartial.flare.site_config import LIMITS, participant_config, site_rules
 
 #: the key of a job's slot in its resources (GPU ids are integers)
 JOB_SLOT = "fedpartial_job_slot"
@@ -45,7 +45,7 @@ class SiteResourceManager(GPUResourceManager):
         # running jobs only: FLARE's server starts one job at a time, and a job it failed to deploy
         # never frees its reservation (it only expires), which must not hold the site
         self.jobs_held = 0
-        self._limit = max_concurrent_jobs or 1
+        self._limit = max_concurrent_jobs or LIMITS["max_concurrent_jobs"]
 
     def check_resources(self, resource_requirement: dict, fl_ctx: FLContext):
         if self.max_concurrent_jobs is None:  # read before the base takes its lock

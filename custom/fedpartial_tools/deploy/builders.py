@@ -312,7 +312,7 @@ class SitePolicyBuilder(Builder):
             out["components"] = [dict(c, args={**c.get("args", {}), "max_schedule_count": SCHEDULE_TRIES})
                                  if isinstance(c, dict) and c.get("id") == "job_scheduler" else c
                                  for c in out.get("components", [])]
-        if not site:  # the job's meta, checked at submission, before FLARE stores or deploys the job
+            # the job's meta, checked at submission, before FLARE stores or deploys the job
             out = without_components(out, [SUBMISSION_GATE_PATH])
             out["components"].append({"id": "submission_gate", "path": SUBMISSION_GATE_PATH, "args": {}})
         if self.allow_log_streaming:
