@@ -54,7 +54,8 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
                       [f"server.min_clients={len(sites)}", *overrides], data_root=data_root, with_code=True)
     sim_ws = os.path.join(workspace, "simulator")
     shutil.rmtree(sim_ws, ignore_errors=True)
-    cmd = [sys.executable, "-m", "nvflare.private.fed.app.simulator.simulator", job, "-w", sim_ws,
+    # FLARE's simulator with its client threads made safe (a worker could run as another site)
+    cmd = [sys.executable, "-m", "fedpartial_tools.run.flare_simulator", job, "-w", sim_ws,
            "-c", ",".join(sites), "-t", str(threads or len(sites))]
     env = dict(os.environ)
     if torch_threads:
