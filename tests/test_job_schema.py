@@ -173,6 +173,12 @@ ATTACKS = [  # (name, side, change, what the refusal must name)
      "argument 'tb_folder' = '../../x' is fixed to 'tb_events'"),
     ("monai_weights", "server", lambda c: c["model"].update(arch="resnet18", arch_args={"pretrained": True}),
      "'arch_args' of resnet18 has 'pretrained'"),
+    # a std of 1e6 makes every image the same input: the sites' losses and accuracies then count
+    # their labels per class (an outside attempt decoded both sites' counts exactly)
+    ("normalisation_that_erases_the_image", "client",
+     lambda c: c["model"]["normalisation"].update(mean=0, std=10 ** 6), "(1000000) must be in [0.01, 1"),
+    ("normalisation_offset", "server",
+     lambda c: c["model"]["normalisation"].update(mean=[-1000.0]), "(-1000.0) must be in [0.0, 1.0]"),
     ("width_beyond_the_schema", "client", lambda c: c["model"]["arch_args"].__setitem__("width", 10 ** 6),
      "'width' (1000000) must be in [1, 65536]"),
     # each executor loads the site's data and builds its model: four idle ones took a site's job

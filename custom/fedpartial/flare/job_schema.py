@@ -189,12 +189,17 @@ ARCH_ARGS: Dict[str, Dict[str, Spec]] = {
              "up_kernel_size": Choice(1, 3, 5, 7), "act": ACT, "norm": NORM, "dropout": PROB, "bias": Bool(),
              "adn_ordering": Choice("NDA", "NAD", "DNA", "DAN", "AND", "ADN", "NA", "AN", "ND", "DN", "A", "N", "D")},
 }
-MEAN_STD = AnyOf(Num(-1e6, 1e6), ListOf(Num(-1e6, 1e6), 1, 16))
+# Pixel units: images are read as x / 255 in [0, 1] and fed as (x - mean) / std. A job may only
+# centre and scale them as a dataset would; a std of 1e6 made every image the same input, so the
+# seeded model answered alike for all and the sites' published losses and accuracies gave their
+# exact per-class counts (an outside attempt).
+NORM_MEAN = AnyOf(Num(0.0, 1.0), ListOf(Num(0.0, 1.0), 1, 16))
+NORM_STD = AnyOf(Num(0.01, 1.0), ListOf(Num(0.01, 1.0), 1, 16))
 MODEL_FIELDS: Dict[str, Spec] = {
     "arch": Choice(*ARCH_ARGS), "arch_args": ByKey(ARCH_ARGS), "in_channels": Int(1, 64),
     "class_names": ListOf(Text(r"[^{}\x00-\x1f]{1,100}", "a plain class name (no braces)", 100), 1, 10_000),
     "task": Choice(*TASKS), "input_size": ListOf(Int(0, 1_000_000), 2, 2),
-    "normalisation": Record({"mean": MEAN_STD, "std": MEAN_STD}, required=("mean", "std")),
+    "normalisation": Record({"mean": NORM_MEAN, "std": NORM_STD}, required=("mean", "std")),
     # the round-0 model: a file in the server kit's own folders, never one the job brings
     "pretrained": RELATIVE, "input_agreement": Agreement(),
 }
