@@ -19,6 +19,11 @@ from fedpartial_tools.run.progress import RoundProgress
 from fedpartial_tools.run.results import collect_results
 
 
+# runs the file given as first argument as __main__, without putting its folder on sys.path
+_RUN_FILE = "import runpy, sys; runpy.run_path(sys.argv.pop(1), run_name='__main__')"
+FLARE_SIMULATOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flare_simulator.py")
+
+
 def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[str] = (), threads: int = 0,
              timeout: Optional[float] = None, log=print, progress_every: float = 3.0,
              torch_threads: Optional[int] = None) -> dict:
@@ -54,8 +59,9 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
                       [f"server.min_clients={len(sites)}", *overrides], data_root=data_root, with_code=True)
     sim_ws = os.path.join(workspace, "simulator")
     shutil.rmtree(sim_ws, ignore_errors=True)
-    # FLARE's simulator with its client threads made safe (a worker could run as another site)
-    cmd = [sys.executable, "-m", "fedpartial_tools.run.flare_simulator", job, "-w", sim_ws,
+    # FLARE's simulator with its client threads made safe (a worker could run as another site), run
+    # from its file: it imports only nvflare, so a process that sees nothing of this checkout runs it
+    cmd = [sys.executable, "-c", _RUN_FILE, FLARE_SIMULATOR, job, "-w", sim_ws,
            "-c", ",".join(sites), "-t", str(threads or len(sites))]
     env = dict(os.environ)
     if torch_threads:
