@@ -1,6 +1,6 @@
-"""FLARE 2.9's simulator with two thread-safety fixes, run as
-``python -m fedpartial_tools.run.flare_simulator`` with the arguments of
-``python -m nvflare.private.fed.app.simulator.simulator``.
+"""FLARE 2.9's simulator with two thread-safety fixes: ``python .../flare_simulator.py`` takes the
+arguments of ``python -m nvflare.private.fed.app.simulator.simulator``. ``simulate`` runs it from its
+file, since it imports only nvflare (a run may hide this checkout from its processes).
 
 FLARE's simulator runs each site in a worker process started by one of its client threads:
 
@@ -12,8 +12,9 @@ FLARE's simulator runs each site in a worker process started by one of its clien
 * With fewer threads than sites, a thread picks its next site under the runner's lock but marks it
   running only later, outside it, so another thread can pick the same site. Here the pick marks it.
 
-Both are patched on FLARE's classes in this process only (its worker processes are forked from it);
-nothing that ships to a site imports this module.
+Both are patched on FLARE's class in this process, which the simulator forks to run its client
+threads (the site workers are new processes and take no part); nothing that ships to a site imports
+this module.
 """
 import runpy
 import threading
@@ -44,12 +45,6 @@ class PerThreadBuildContext:
 
     def __setitem__(self, key, value):
         self._own()[key] = value
-
-    def __contains__(self, key) -> bool:
-        return key in self._own()
-
-    def get(self, key, default=None):
-        return self._own().get(key, default)
 
     def __reduce__(self):
         return dict, (dict(self._own()),)
