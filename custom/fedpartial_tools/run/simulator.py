@@ -100,7 +100,8 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
-            raise RuntimeError(f"simulator exceeded {timeout} s; log: {workspace}/simulator.log")
+            raise RuntimeError(f"simulator exceeded {timeout} s; log: {workspace}/simulator.log\n"
+                               + stall_report(workspace, sites))
         finally:
             if own_tmp:
                 shutil.rmtree(own_tmp, ignore_errors=True)
@@ -109,6 +110,29 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
     summary.update(num_rounds=num_rounds, rounds_completed=progress.rounds_done)
     summary["ok"] = rc == 0 and progress.rounds_done >= num_rounds
     return summary
+
+
+def stall_report(workspace: str, sites: Sequence[str], tail: int = 25) -> str:
+    """What a stopped run had reached, for an error message read where the workspace is gone (a CI
+    log): rounds the server saw aggregated, each process's last log line, and the simulator log's tail.
+
+    Args:
+        workspace: the run's output folder (``simulator.log``, ``simulator/``).
+        sites: the site names.
+        tail: lines of ``simulator.log`` to quote.
+    """
+    def last_lines(path: str, count: int) -> list:
+        try:
+            with open(path, errors="replace") as handle:
+                return [line.rstrip("\n") for line in handle.readlines()[-count:]]
+        except OSError:
+            return ["(no log)"]
+
+    sim_ws = os.path.join(workspace, "simulator")
+    lines = [f"{name}: {(last_lines(os.path.join(sim_ws, name, 'log.txt'), 1) or ['(empty log)'])[0]}"
+             for name in ["server", *sites]]
+    lines += [f"simulator.log, last {tail} lines:", *last_lines(os.path.join(workspace, "simulator.log"), tail)]
+    return "\n".join(lines)
 
 
 def _server_metrics(sim_ws: str) -> Optional[str]:
