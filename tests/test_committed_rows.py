@@ -189,6 +189,11 @@ def test_a_candidate_is_read_from_the_settings_a_row_ran_with():
 
     assert candidate_of(row("rule_args.lr_schedule=constant")) == "constant"
     assert candidate_of(row("rule_args.lr_schedule=cosine")) == "cosine"
+    # the candidate with the most settings that are all there, whatever their order
+    assert candidate_of(row("rule_args.lr=0.001", "rule_args.lr_schedule=cosine")) == "cosine-lr1e-3"
+    assert candidate_of(row("rule_args.lesion_fraction=0", "rule_args.lr_schedule=cosine",
+                            "rule_args.lr=0.001")) == "cosine-lr1e-3-no-lesion-sampling"
+    assert candidate_of(row("rule_args.lr=0.001")) == ""  # the schedule left to the profile
     assert candidate_of(row()) == ""  # the profile's default: no candidate of the protocol
 
 
@@ -277,3 +282,21 @@ def test_a_kept_record_holds_the_rounds_and_the_sites_validation_only(tmp_path):
         (tmp_path / name).write_text(json.dumps(rec))
         curves.append(runner._curve(str(tmp_path / name), "auc"))
     assert curves[0] == curves[1] == pytest.approx([0.6, 0.65])
+
+
+def test_the_ms_protocol_chooses_only_when_every_candidate_has_rows(monkeypatch):
+    """A choice among part of the candidates is none: the committed phase-1 rows choose cosine from
+    constant and cosine alone, and nothing once a candidate without rows is added (phase 2's
+    --chosen then refuses)."""
+    from fedpartial_tools.bench import ms6_protocol
+
+    rows = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "results", "rows")
+    two = {name: ms6_protocol.CANDIDATES[name] for name in ("constant", "cosine")}
+    monkeypatch.setattr(ms6_protocol, "CANDIDATES", two)
+    assert ms6_protocol.selection_table(rows).endswith("Chosen: **cosine**.")
+    extra = {"cosine-lr9": ["rule_args.lr_schedule=cosine", "rule_args.lr=9"]}
+    monkeypatch.setattr(ms6_protocol, "CANDIDATES", {**two, **extra})
+    assert ms6_protocol.selection_table(rows).endswith(
+        "Nothing chosen: no rows yet for cosine-lr9 (phase 1 runs them).")
+    with pytest.raises(ValueError, match="do not choose 'cosine'"):
+        ms6_protocol.run("unused", rows, "unused", deadline=0, parallel=1, chosen="cosine")

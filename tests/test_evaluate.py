@@ -279,3 +279,32 @@ def test_segmentation_empty_images_and_output(tmp_path, monkeypatch, capsys):
     cli(["evaluate", "--model", "stub.pt", "--data", str(path), "--device", "cpu", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert out["resolution"] == "native 40x40" and out["dice_pooled"] == pytest.approx(180 / 204)
+
+
+def test_val_scores_a_site_sends_leave_out_classes_under_k():
+    """k = 2. Multi-label: class c2 has one positive, so it is scored as unannotated (AUC of c0 and c1
+    only); single-label: the row of the 1-image class goes, and the accuracy is over the other 4."""
+    from fedpartial.data.types import Split
+    from fedpartial.evaluation import describable, split_metrics
+
+    labels = np.array([[1, 0, 0], [1, 1, 0], [0, 1, 0], [0, 0, 1], [0, 1, 0]], np.float32)
+    rows, mask = describable(labels, None, "multi-label", 2)
+    assert rows.all() and mask[:, :2].all() and not mask[:, 2].any()
+    probs = np.array([[.9, .2, .1], [.8, .7, .1], [.3, .6, .9], [.1, .1, .2], [.2, .9, .3]])
+    split = Split(np.zeros((5, 4, 4), np.uint8), labels)
+    scored = split_metrics(probs, split, "multi-label", ["c0", "c1", "c2"], min_class_count=2)
+    # c0: positives .9 .8 above negatives .3 .1 .2 -> 1.0; c1: positives .7 .6 .9 vs .2 .1 -> 1.0
+    assert scored["auc"] == 1.0
+    # with c2: its one positive (.2) above 2 of its 4 negatives (.1 .1; not .9 .3) -> 0.5
+    assert split_metrics(probs, split, "multi-label", ["c0", "c1", "c2"])["auc"] == pytest.approx((1 + 1 + 0.5) / 3)
+    one_hot = np.eye(3, dtype=np.float32)[[0, 0, 1, 2, 1]]
+    rows, mask = describable(one_hot, None, "single-label", 2)
+    assert rows.tolist() == [True, True, True, False, True] and not mask[:, 2].any()
+    argmax_right = np.eye(3)[[0, 1, 1, 2, 1]] * 0.8 + 0.1  # row 1 wrong; row 3 (the 1-image class) right
+    scored = split_metrics(argmax_right, Split(np.zeros((5, 4, 4), np.uint8), one_hot), "single-label",
+                           ["c0", "c1", "c2"], min_class_count=2)
+    assert scored["accuracy"] == 0.75
+    assert split_metrics(argmax_right, Split(np.zeros((5, 4, 4), np.uint8), one_hot), "single-label",
+                         ["c0", "c1", "c2"])["accuracy"] == 0.8
+    # nothing describable: no score at all
+    assert split_metrics(probs, split, "multi-label", ["c0", "c1", "c2"], min_class_count=3) == {}

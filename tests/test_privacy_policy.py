@@ -19,7 +19,7 @@ from nvflare.apis.utils.analytix_utils import create_analytic_dxo
 from nvflare.app_common.abstract.model import make_model_learnable
 from nvflare.app_common.app_constant import AppConstants
 
-from fedpartial.flare.common import GLOBAL_STATS, SITE_METRICS, SITE_STATS
+from fedpartial.flare.common import GLOBAL_STATS, SITE_METRICS, SITE_STATS, SITE_VAL_MIN_CLASS_COUNT
 from fedpartial.flare.filters import StatisticsPrivacyFilter
 from fedpartial.flare.result_policy import SiteResultPolicy
 from fedpartial.flare.site_policy import TASK_RECEIVED_MODEL, WITHHELD, FedEventGuard, LocalModelGate
@@ -179,8 +179,11 @@ def test_local_model_gate_acts_on_content_not_task_names(tmp_path):
     for task in ("submit_model", "get_weights", "train"):
         out = _run_task(scope, task, Shareable(), _weights())
         assert out.get_return_code() == ReturnCode.EMPTY_RESULT and "DXO" not in out, task
-    # validating a received model: the metrics leave
-    out = _run_task(scope, "validate", _weights(), DXO(DataKind.METRICS, data={"auc": 0.75}).to_shareable())
+    # validating a received model: the metrics leave (scored without classes under the site's k, as
+    # the executor says on the task's context)
+    ctx = FLContext()
+    ctx.set_prop(SITE_VAL_MIN_CLASS_COUNT, 5, private=True, sticky=False)
+    out = _run_task(scope, "validate", _weights(), DXO(DataKind.METRICS, data={"auc": 0.75}).to_shareable(), ctx=ctx)
     assert from_shareable(out).data == {"auc": 0.75}
     # weights in other clothes, for a task that brought none: a collection, arrays in a metrics DXO
     collection = DXO(DataKind.COLLECTION, data={"m": DXO(DataKind.WEIGHTS, data={"w": np.ones(3)})})

@@ -11,7 +11,7 @@ from nvflare.apis.fl_constant import FLContextKey, ReservedKey, ReturnCode
 from nvflare.apis.fl_context import FLContext
 from nvflare.apis.shareable import Shareable, make_reply
 
-from fedpartial.flare.common import SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE
+from fedpartial.flare.common import SITE_METRICS, SITE_STATS, SITE_TRAIN_SIZE, SITE_VAL_MIN_CLASS_COUNT
 from fedpartial.flare.filters import StatisticsPrivacyFilter
 from fedpartial.flare.result_policy import (METRIC_RULES, SENT_METRICS, SiteResultPolicy, filter_result,
                                             merge_metric_rules, release_metrics)
@@ -26,8 +26,10 @@ SEG_VAL = {"dice_per_image": 0.5, "iou_per_image": 0.4, "dice_pooled": 0.6, "iou
            "predicted_lesion_share": 0.67, "tp": 120, "fp": 30, "fn": 50}
 
 
-def _ctx(task="train", site="site-1"):
+def _ctx(task="train", site="site-1", val_min_class_count=K):
     ctx = FLContext()
+    if val_min_class_count is not None:  # what the executor sets: its val scores left out classes under k
+        ctx.set_prop(SITE_VAL_MIN_CLASS_COUNT, val_min_class_count, private=True, sticky=False)
     ctx.set_prop(FLContextKey.TASK_NAME, task, private=True, sticky=False)
     ctx.set_prop(FLContextKey.FILTER_DIRECTION, "out", private=True, sticky=False)
     ctx.set_prop(ReservedKey.IDENTITY_NAME, site, private=False, sticky=True)
@@ -47,8 +49,8 @@ def _train_result(n, metrics, stats=None, initial=None, train_size=None, **extra
     return dxo.to_shareable()
 
 
-def _policy(shareable, task="train", min_count=K):
-    return SiteResultPolicy(min_count=min_count).process(shareable, _ctx(task))
+def _policy(shareable, task="train", min_count=K, val_min_class_count=K):
+    return SiteResultPolicy(min_count=min_count).process(shareable, _ctx(task, val_min_class_count=val_min_class_count))
 
 
 def test_fedia_values_from_3_images_are_withheld_at_5_and_released_at_7():
@@ -131,6 +133,21 @@ def test_classification_validation_keeps_the_flat_rates_only():
            "per_class": {"a": {"auc": 0.8, "n_pos": 2}}, "n_pos": 3}
     out = from_shareable(_policy(DXO(DataKind.METRICS, data=val).to_shareable(), task="validate")).data
     assert out == {"auc": 0.8, "bacc": 0.7, "accuracy": 0.75, "f1": 0.6, "precision": 0.5, "recall": 0.4}
+
+
+@pytest.mark.parametrize("scored_with", [None, 3])
+def test_classification_rates_leave_only_when_scored_without_classes_under_k(scored_with):
+    """The rates leave only when the executor scored them without classes of fewer than k positives or
+    negatives (it says so on the task's context); unknown, or scored with a smaller k: withheld, in a
+    validation result and in a train result's metrics of the received model."""
+    val = {"auc": 0.8, "accuracy": 0.75, "f1": 0.6, "val_curated": 1.0}
+    out = from_shareable(_policy(DXO(DataKind.METRICS, data=val).to_shareable(), task="validate",
+                                 val_min_class_count=scored_with)).data
+    assert out == {"val_curated": 1.0}
+    out = from_shareable(_policy(_train_result(40, {}, initial=val), val_min_class_count=scored_with))
+    assert out.get_meta_prop(MetaKey.INITIAL_METRICS) == {"val_curated": 1.0}
+    out = from_shareable(_policy(_train_result(40, {}, initial=val), min_count=3, val_min_class_count=scored_with))
+    assert out.get_meta_prop(MetaKey.INITIAL_METRICS) == (val if scored_with == 3 else {"val_curated": 1.0})
 
 
 def test_site_train_size_and_sample_count_must_be_counts():

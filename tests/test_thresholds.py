@@ -163,6 +163,26 @@ def test_policy_withholds_a_class_with_3_positives_and_releases_one_with_6():
     assert sent.get_meta_prop(HISTOGRAM_KEY)["pos"].sum(axis=1).tolist() == [6, 0, 0, 0]
 
 
+def test_single_label_histograms_do_not_give_away_the_withheld_classes_total():
+    """Single-label, 30 val images: classes of 12, 10, 6 and 2 images. The 2-image class is withheld,
+    and then any released row's pos + neg (30) less the released positives (28) would be 2: the
+    smallest released class (6) goes too, so what is hidden is 8 images. Multi-label counts with
+    the same per-class positives have no such sum and lose only the 2-image class."""
+    counts = [12, 10, 6, 2]
+    pos = np.zeros((4, 20), np.int64)
+    neg = np.zeros((4, 20), np.int64)
+    for c, n in enumerate(counts):
+        pos[c, 15] = n
+        neg[c, 3] = 30 - n
+    _, meta, report = filter_result(DataKind.WEIGHTS, {}, _result({"pos": pos, "neg": neg}).meta, min_count=5)
+    assert meta[HISTOGRAM_KEY]["pos"].sum(axis=1).tolist() == [12, 10, 0, 0]
+    assert report["stats_rows"] == {HISTOGRAM_KEY: 2}
+    multi_neg = neg.copy()
+    multi_neg[:, 3] = [20, 25, 24, 28]  # each class over its own annotated images: no common total
+    _, meta, _ = filter_result(DataKind.WEIGHTS, {}, _result({"pos": pos, "neg": multi_neg}).meta, min_count=5)
+    assert meta[HISTOGRAM_KEY]["pos"].sum(axis=1).tolist() == [12, 10, 6, 0]
+
+
 def test_policy_withholds_malformed_histograms_whole():
     hist = _site_hist()
     for bad in ({"pos": hist["pos"]}, {**hist, "per_image": np.arange(4)},

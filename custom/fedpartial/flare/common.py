@@ -24,6 +24,9 @@ SITE_TRAIN_SIZE = "site_train_size"
 SITE_IMAGES_SEEN = "site_images_seen"
 # optimizer steps of the round's training (fedpartial.training.common.STEPS), the same kind of property
 SITE_OPTIMIZER_STEPS = "site_optimizer_steps"
+# the k below which a class of the val split was left out of the classification scores the task
+# sends (fedpartial.evaluation.describable), the same kind of property
+SITE_VAL_MIN_CLASS_COUNT = "site_val_min_class_count"
 
 
 #: files of the package that make up the runtime's identity (the wheel ships exactly these)

@@ -23,9 +23,11 @@ from fedpartial.algorithms.registry import build_rule
 from fedpartial.algorithms.thresholds import HISTOGRAM_KEY
 from fedpartial.data.types import SEGMENTATION
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_IMAGES_SEEN, SITE_METRICS, SITE_OPTIMIZER_STEPS, SITE_STATS,
+                                     SITE_VAL_MIN_CLASS_COUNT,
                                      SITE_TRAIN_SIZE, build_model_from_settings, model_settings,
                                      runtime_description, runtime_version_error)
-from fedpartial.flare.site_config import (SITE_CONFIG, check_data_file, check_limits, check_resized, confined,
+from fedpartial.flare.site_config import (MIN_COUNT, SITE_CONFIG, check_data_file, check_limits, check_resized,
+                                          confined,
                                           load_site_config, offered_data_root, site_rules, training_seed)
 from fedpartial.training.common import (DRAWS, STEPS, check_memory_format, load_state_numpy, place_model, select_device,
                                         state_dict_numpy)
@@ -416,9 +418,14 @@ class FedPartialExecutor(Executor):
         # for the site's policy, which runs on this task's FLContext: never on the wire
         fl_ctx.set_prop(SITE_IMAGES_SEEN, int(seen), private=True, sticky=False)
         fl_ctx.set_prop(SITE_OPTIMIZER_STEPS, int(steps), private=True, sticky=False)
+        fl_ctx.set_prop(SITE_VAL_MIN_CLASS_COUNT, self._min_count(), private=True, sticky=False)
         if histograms is not None:
             out.set_meta_prop(HISTOGRAM_KEY, histograms)
         return out.to_shareable()
+
+    def _min_count(self) -> int:
+        # the site's own k (its file's "min_count"), the default before set-up read it
+        return int(self.rules.get("min_count", MIN_COUNT))
 
     def _out_of_time(self, fl_ctx: FLContext) -> bool:
         if self._budget_spent() <= 0:
@@ -435,6 +442,7 @@ class FedPartialExecutor(Executor):
         metrics = self.evaluate(model)
         self.log_info(fl_ctx, f"validation of model from {shareable.get_header(AppConstants.MODEL_OWNER, '?')}: "
                               f"{self.key_metric}={metrics.get(self.key_metric, float('nan')):.4f}")
+        fl_ctx.set_prop(SITE_VAL_MIN_CLASS_COUNT, self._min_count(), private=True, sticky=False)
         return DXO(DataKind.METRICS, data=metrics).to_shareable()
 
     def evaluate(self, model, with_histograms: bool = False):
@@ -442,6 +450,9 @@ class FedPartialExecutor(Executor):
         (as its train split is annotated, unless the split file says ``val_labels: curated``).
         Empty where the val split annotates nothing (an unlabelled site): no score, not a 0.
         ``val_curated`` = 1 where the site's val split is a curated, completely annotated one.
+        Classification is scored only over the classes with at least this site's ``min_count``
+        positives and negatives there (:func:`fedpartial.evaluation.describable`): these scores
+        leave the site.
 
         Args:
             model: the model to score.
@@ -460,7 +471,8 @@ class FedPartialExecutor(Executor):
         metrics, histograms = {}, None
         if val is not None:
             probs = predict_split(model, val, self.data.task, self.settings["normalisation"], self.device)
-            metrics = split_metrics(probs, val, self.data.task, self.data.class_names, flat=True)
+            metrics = split_metrics(probs, val, self.data.task, self.data.class_names, flat=True,
+                                    min_class_count=self._min_count())
             if (self.data.info or {}).get("val_labels") == "curated":
                 metrics["val_curated"] = 1.0
             if with_histograms and self.data.task != SEGMENTATION:

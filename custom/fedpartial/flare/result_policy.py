@@ -23,7 +23,8 @@ from nvflare.apis.shareable import ReservedHeaderKey, Shareable, make_reply
 
 from fedpartial.algorithms import fedavg, fedia, fedirm, fedlsm, fedmlp, segmentation
 from fedpartial.algorithms.thresholds import HISTOGRAM_KEY, check_histograms
-from fedpartial.flare.common import SITE_IMAGES_SEEN, SITE_METRICS, SITE_OPTIMIZER_STEPS, SITE_STATS, SITE_TRAIN_SIZE
+from fedpartial.flare.common import (SITE_IMAGES_SEEN, SITE_METRICS, SITE_OPTIMIZER_STEPS, SITE_STATS,
+                                     SITE_TRAIN_SIZE, SITE_VAL_MIN_CLASS_COUNT)
 from fedpartial.flare.filters import auto_preset, filter_statistics
 from fedpartial.flare.site_config import floor, participant_config
 
@@ -42,11 +43,16 @@ EXECUTOR_METRICS = {"executor": {"train_seconds": "scope"}}
 SENT_METRICS: Dict[str, Dict[str, str]] = {**fedavg.SENT_METRICS, **segmentation.SENT_METRICS,
                                            **fedlsm.SENT_METRICS, **fedmlp.SENT_METRICS, **fedirm.SENT_METRICS,
                                            **fedia.SENT_METRICS, **EXECUTOR_METRICS}
+#: Classification's validation rates: they leave only when the executor scored no class with fewer
+#: than k positives or negatives (``fedpartial.evaluation.describable``): a constant model's accuracy
+#: is a class's share, a macro AUC holds one class's ranking of its few positives.
+CLASSIFICATION_RATES = ("auc", "map", "bacc", "accuracy", "f1", "precision", "recall")
 #: Validation metrics (``fedpartial.evaluation.evaluate_split(..., flat=True)``: the METRICS DXO of
 #: the validate task and ``initial_metrics`` of a train result). Classification's rates go as
-#: ``value``: no count travels with them (the val split's size is not sent). Segmentation (``fedpartial.metrics.validation_metrics``)
-#: describes ``n_images`` val images: nothing of it leaves from fewer than k images. The pixel
-#: counts ``tp`` / ``fp`` / ``fn`` leave with ``n_images`` >= k only: the server pools them
+#: ``value`` (no count travels with them), and only as :data:`CLASSIFICATION_RATES` allows.
+#: Segmentation (``fedpartial.metrics.validation_metrics``) describes ``n_images`` val images:
+#: nothing of it leaves from fewer than k images. The pixel counts ``tp`` / ``fp`` / ``fn`` leave
+#: with ``n_images`` >= k only: the server pools them
 #: (``fedpartial.flare.selector.PooledModelSelector`` for the best model, the aggregator's and
 #: the simulator's progress lines in ``fedpartial_tools.run.progress``), which skip a site without them.
 VALIDATION_METRICS: Dict[str, str] = {
@@ -200,7 +206,9 @@ def guard_histograms(value, min_count: int) -> tuple:
     Class ``c``'s two rows leave only when they hold at least ``max(k, 1)`` positives AND at least
     ``max(k, 1)`` negatives; otherwise both are sent as zero rows, which the server reads as
     "absent" (as a class the site does not annotate). A histogram is a count of images per bin, so
-    a class with a handful of positives would place each of them.
+    a class with a handful of positives would place each of them. Single-label histograms (each
+    image one class's positive) withhold more classes when the withheld ones hold 1..k-1 images in
+    all, which the released rows' totals would give away.
 
     Args:
         value: what the executor put under :data:`HISTOGRAM_KEY`.
@@ -218,6 +226,14 @@ def guard_histograms(value, min_count: int) -> tuple:
     need = max(int(min_count), 1)
     pos_n, neg_n = hist["pos"].sum(axis=1), hist["neg"].sum(axis=1)
     released = (pos_n >= need) & (neg_n >= need)
+    total = pos_n + neg_n
+    if total.size and (total == total[0]).all() and pos_n.sum() == total[0]:
+        # single-label: every image is one class's positive, so the withheld classes' images are the
+        # total (any released class's pos + neg) less the released positives; under k, withhold the
+        # smallest released classes too until they are k or more
+        order = [c for c in np.argsort(pos_n, kind="stable") if released[c]]
+        while 0 < int(pos_n[~released].sum()) < need and order:
+            released[order.pop(0)] = False
     out = {part: np.where(released[:, None], rows, 0) for part, rows in hist.items()}
     return out, int(((pos_n + neg_n > 0) & ~released).sum())
 
@@ -240,7 +256,7 @@ def _is_count(value) -> bool:
 def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
                   noise_sigma: Optional[Dict[str, float]] = None, rng: Optional[np.random.Generator] = None,
                   where: str = "", images_seen: Optional[int] = None, optimizer_steps: Optional[int] = None,
-                  min_local_steps: int = 0) -> tuple:
+                  min_local_steps: int = 0, val_min_class_count: Optional[int] = None) -> tuple:
     """What of one task result (a DXO's kind, data and meta) may leave the site.
 
     * kind: WEIGHTS / WEIGHT_DIFF (train results, local models) and METRICS (validation) only;
@@ -272,6 +288,9 @@ def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
         min_local_steps: a train result from 1..min_local_steps-1 optimizer steps is withheld whole:
             one Adam step moves each weight by +-lr, so the weights are the batch's gradient signs,
             which the average with other sites' does not hide (0 = off).
+        val_min_class_count: the k the executor scored classification's val rates with (classes with
+            fewer positives or negatives left out); below k or None (unknown), the
+            :data:`CLASSIFICATION_RATES` of ``initial_metrics`` and of a METRICS DXO are withheld.
 
     Returns:
         ``(data, meta, report)`` as new dicts, or ``(None, None, report)`` when the result is withheld
@@ -359,11 +378,24 @@ def filter_result(kind: str, data: dict, meta: dict, min_count: int = 5,
             scope = min(scope, seen)
         meta[part], part_report = release_metrics(values, rules, scope, k)
         note(part, part_report["withheld"], part_report["unknown"])
+    scored_with = val_min_class_count if _is_count(val_min_class_count) else -1
+    rates_unguarded = k > 0 and scored_with < k
+    if rates_unguarded and isinstance(meta.get(MetaKey.INITIAL_METRICS), dict):
+        meta[MetaKey.INITIAL_METRICS], dropped = _without_rates(meta[MetaKey.INITIAL_METRICS])
+        note(MetaKey.INITIAL_METRICS, withheld=dropped)
     data = dict(data or {})
     if kind == DataKind.METRICS:
         data, part_report = release_metrics(data, VALIDATION_RULES, data.get(VALIDATION_SCOPE), k)
         note("metrics", part_report["withheld"], part_report["unknown"])
+        if rates_unguarded:
+            data, dropped = _without_rates(data)
+            note("metrics", withheld=dropped)
     return data, meta, report
+
+
+def _without_rates(values: dict) -> tuple:
+    dropped = sorted(key for key in values if key in CLASSIFICATION_RATES)
+    return {key: value for key, value in values.items() if key not in CLASSIFICATION_RATES}, dropped
 
 
 class SiteResultPolicy(Filter):
@@ -424,7 +456,8 @@ class SiteResultPolicy(Filter):
             data, meta, report = filter_result(dxo.data_kind, dxo.data, dxo.meta, min_count, self.noise_sigma,
                                                self.rng, where=site, images_seen=fl_ctx.get_prop(SITE_IMAGES_SEEN),
                                                optimizer_steps=fl_ctx.get_prop(SITE_OPTIMIZER_STEPS),
-                                               min_local_steps=floor(config, "min_local_steps", 0))
+                                               min_local_steps=floor(config, "min_local_steps", 0),
+                                               val_min_class_count=fl_ctx.get_prop(SITE_VAL_MIN_CLASS_COUNT))
         except ValueError as e:  # a malformed statistic: FLARE answers TASK_RESULT_FILTER_ERROR, nothing leaves
             raise ValueError(f"task '{task}': {e}") from e
         if data is None:

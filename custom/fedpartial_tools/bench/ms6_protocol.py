@@ -3,8 +3,8 @@ machine is lent for (``python -m fedpartial_tools.bench.ms6_protocol``; on a GPU
 ``scripts/device_bench.sh`` runs it):
 
 1. **The recipe, chosen on the sites' own val masks, before any held-out patient is scored.** On
-   two folds, the first patient of each source (7 and 2), m = 3, every job, the candidates: the
-   shipped constant lr and ``rule_args.lr_schedule=cosine``. The federation's view of a training
+   two folds, the first patient of each source (7 and 2), m = 3, every job, the candidates of
+   :data:`CANDIDATES` (lr schedule, lr, lesion-slice sampling). The federation's view of a training
    is ``site_val_last5``: the Dice pooled over the sites' own (incomplete) val masks, mean of the
    last 5 rounds. The candidate with the higher mean over the FedIA and FedAvg rows (not the
    complete-mask bound: its sites hold masks no site has) wins; within 0.005 of each other the one
@@ -37,9 +37,16 @@ JOBS = ["fedia_lesions", "fedavg_seg_lesions", "fedavg_seg_full_lesions"]
 #: the jobs whose sites hold what a federation has (the bound's sites hold complete masks)
 CHOOSING_JOBS = ("fedia_lesions", "fedavg_seg_lesions")
 SELECTION_PATIENTS = (7, 2)  # the first patient of each source
-# explicit both: a profile's default may change (the lesions profile now ships the chosen cosine)
+# every setting explicit: a profile's default may change (the lesions profile now ships the chosen
+# cosine). lr 1e-4 and no lesion-slice sampling are the paper's; lr 1e-3 the segmentation recipe's.
+_COSINE = ["rule_args.lr_schedule=cosine"]
 CANDIDATES: Dict[str, List[str]] = {"constant": ["rule_args.lr_schedule=constant"],
-                                    "cosine": ["rule_args.lr_schedule=cosine"]}
+                                    "cosine": _COSINE,
+                                    "cosine-lr1e-3": [*_COSINE, "rule_args.lr=0.001"],
+                                    "cosine-lr1e-4": [*_COSINE, "rule_args.lr=0.0001"],
+                                    "cosine-no-lesion-sampling": [*_COSINE, "rule_args.lesion_fraction=0"],
+                                    "cosine-lr1e-3-no-lesion-sampling": [*_COSINE, "rule_args.lr=0.001",
+                                                                         "rule_args.lesion_fraction=0"]}
 TIE = 0.005
 
 
@@ -67,9 +74,11 @@ def choose(rows: Sequence[dict]) -> tuple:
 
 
 def candidate_of(row: dict) -> str:
-    """The phase-1 candidate a committed row ran (read from its recorded ``--set`` items), or ""."""
+    """The phase-1 candidate a committed row ran (read from its recorded ``--set`` items): the one
+    with the most settings that are all there (``cosine`` is part of ``cosine-lr1e-3``), or ""."""
     sets = json.loads(row.get("settings") or "{}").get("sets", [])
-    return next((name for name, extra in CANDIDATES.items() if all(x in sets for x in extra)), "")
+    matches = [name for name, extra in CANDIDATES.items() if all(x in sets for x in extra)]
+    return max(matches, key=lambda name: len(CANDIDATES[name]), default="")
 
 
 def selection_table(rows_dir: str) -> str:
@@ -91,8 +100,12 @@ def selection_table(rows_dir: str) -> str:
     for r in sorted(rows, key=lambda r: (list(CANDIDATES).index(r["candidate"]), r["suite"], JOBS.index(r["method"]))):
         lines.append(f"| {r['candidate']} | {r['suite']} | {r['method']} | {r['seed']} | {float(r[SITE_VAL_KEY]):.3f} "
                      f"| {float(r[LAST_ROUNDS_KEY]):.3f} | {float(r['dice_pooled']):.3f} ({r['scored_on']}) |")
+    unmeasured = [n for n, v in summary.items() if v[2] == 0]
+    # a choice among part of the candidates is none: --chosen then refuses, and phase 1 runs them
+    verdict = (f"Chosen: **{chosen}**." if not unmeasured else
+               f"Nothing chosen: no rows yet for {', '.join(unmeasured)} (phase 1 runs them).")
     lines += ["", "Mean over the FedIA and FedAvg rows: " + "; ".join(
-        f"{n} {v[0]:.4f} (range {v[1]:.4f}, {v[2]} rows)" for n, v in summary.items()) + f". Chosen: **{chosen}**."]
+        f"{n} {v[0]:.4f} (range {v[1]:.4f}, {v[2]} rows)" for n, v in summary.items()) + f". {verdict}"]
     return "\n".join(lines)
 
 
