@@ -154,6 +154,10 @@ def test_site_validation_scores_only_the_val_labels_the_site_holds(tmp_path):
     from fedpartial.data.types import Split
 
     ex = _ready_executor(SupervisedClient(batch_size=16, augmentation="none"), tmp_path)
+    assert ex.evaluate(ex.model) == {}  # 8 val images of 3 classes: no class seen 5 times, nothing to send
+    # 48 val images: every class at least 5 times
+    ex.data = dataclasses.replace(ex.data, splits={**ex.data.splits,
+                                                   "val": ex.data.splits["train"].subset(np.arange(48))})
     scored = ex.evaluate(ex.model)
     assert {"auc", "f1"} <= set(scored) and "val_curated" not in scored
     val = ex.data.splits["val"]
