@@ -95,7 +95,7 @@ def split_metrics(probs: np.ndarray, split: Split, task: str, class_names, flat:
     mask = None if split.label_mask is None or np.all(split.label_mask) else np.asarray(split.label_mask)
     labels = np.asarray(split.labels)
     rows, mask = describable(labels, mask, task, min_class_count)
-    if not rows.any() or (mask is not None and not np.asarray(mask).any()):
+    if not rows.any() or (mask is not None and not mask.any()):
         return {}  # nothing the site may describe: no score, not a 0
     labels = labels[rows] if mask is None else np.where(mask, labels[rows], 0)  # left-out entries: unannotated
     metrics = classification_metrics(np.asarray(probs)[rows], labels, task, list(class_names),

@@ -23,12 +23,10 @@ from fedpartial.algorithms.registry import build_rule
 from fedpartial.algorithms.thresholds import HISTOGRAM_KEY
 from fedpartial.data.types import SEGMENTATION
 from fedpartial.flare.common import (GLOBAL_STATS, SITE_IMAGES_SEEN, SITE_METRICS, SITE_OPTIMIZER_STEPS, SITE_STATS,
-                                     SITE_VAL_MIN_CLASS_COUNT,
-                                     SITE_TRAIN_SIZE, build_model_from_settings, model_settings,
-                                     runtime_description, runtime_version_error)
+                                     SITE_TRAIN_SIZE, SITE_VAL_MIN_CLASS_COUNT, build_model_from_settings,
+                                     model_settings, runtime_description, runtime_version_error)
 from fedpartial.flare.site_config import (MIN_COUNT, SITE_CONFIG, check_data_file, check_limits, check_resized,
-                                          confined,
-                                          load_site_config, offered_data_root, site_rules, training_seed)
+                                          confined, load_site_config, offered_data_root, site_rules, training_seed)
 from fedpartial.training.common import (DRAWS, STEPS, check_memory_format, load_state_numpy, place_model, select_device,
                                         state_dict_numpy)
 

@@ -114,7 +114,7 @@ def simulate(job_dir: str, data_root: str, workspace: str, overrides: Sequence[s
 
 def stall_report(workspace: str, sites: Sequence[str], tail: int = 25) -> str:
     """What a stopped run had reached, for an error message read where the workspace is gone (a CI
-    log): rounds the server saw aggregated, each process's last log line, and the simulator log's tail.
+    log): each process's last log line (server and sites) and the simulator log's tail.
 
     Args:
         workspace: the run's output folder (``simulator.log``, ``simulator/``).
